@@ -1,0 +1,1 @@
+"""Sinks for otel-train spans (installed as ``otel_train.exporters``)."""

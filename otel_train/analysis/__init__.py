@@ -1,0 +1,1 @@
+"""Reading trace files and analysing them; never starts tracing."""

@@ -1,0 +1,95 @@
+"""Record schema v1 and trace-file naming: the one thing the tracing side and the analysis side share.
+
+Both ``otel_train.exporters`` (writing) and ``otel_train.analysis`` (reading) import their field
+names, kinds and file-name rules from here, so neither needs to know the other's internals.
+"""
+
+from __future__ import annotations
+
+import re
+
+SCHEMA_VERSION = 1
+
+# Record kinds (the ``kind`` field).
+SPAN_START = "span_start"
+SPAN_END = "span_end"
+INSTANT = "instant"
+SCALAR = "scalar"
+KINDS = (SPAN_START, SPAN_END, INSTANT, SCALAR)
+
+# Span end statuses (the ``status`` field of span_end records).
+STATUS_OK = "ok"
+STATUS_ERROR = "error"
+STATUS_INCOMPLETE = "incomplete"
+
+# Field names. Values: see the table in CONTRACT.md / docs/schema.md.
+V = "v"
+TS = "ts"
+KIND = "kind"
+EVENT = "event"
+NAME = "name"
+TRACE_ID = "trace_id"
+SPAN_ID = "span_id"
+PARENT_SPAN_ID = "parent_span_id"
+DUR_MS = "dur_ms"
+STATUS = "status"
+ERROR = "error"
+STEP = "step"
+RELATIVE_STEP = "relative_step"
+EPOCH = "epoch"
+ITERATION = "iteration"
+TAGS = "tags"
+RANK = "rank"
+LOCAL_RANK = "local_rank"
+WORLD_SIZE = "world_size"
+HOST = "host"
+PID = "pid"
+TID = "tid"
+ATTEMPT = "attempt"
+JOB_ID = "job_id"
+RUN_ID = "run_id"
+SOURCE = "source"
+SEQ = "seq"
+CALLER = "caller"
+ATTRS = "attrs"
+VALUES = "values"
+
+START_SUFFIX = "_start"
+END_SUFFIX = "_end"
+
+# Instants the runtime itself writes.
+INSTANT_SPANS_DROPPED = "otel_train.spans_dropped"
+INSTANT_WRITE_ERRORS = "otel_train.write_errors"
+
+# Files.
+STRUCTURED_LOGS_DIR = "structured_logs"
+FILE_SUFFIX = ".jsonl"
+FILE_RE = re.compile(
+    r"^(?P<source>.+)\.global_rank_(?P<rank>\d+)\.(?P<stamp>\d{8}-\d{6})-(?P<rand>[0-9A-Za-z]{6})"
+    r"\.jsonl(?:\.(?P<segment>\d+))?$"
+)
+
+
+def trace_file_name(source: str, rank: int, stamp: str, rand: str) -> str:
+    """``<source>.global_rank_<rank>.<YYYYmmdd-HHMMSS>-<6 random>.jsonl`` (the active segment)."""
+    return f"{source}.global_rank_{rank}.{stamp}-{rand}{FILE_SUFFIX}"
+
+
+# OTel resource attribute keys. OTel semantic conventions where they exist, ``training.*`` otherwise.
+RES_SERVICE_NAME = "service.name"
+RES_HOST = "host.name"
+RES_PID = "process.pid"
+RES_RANK = "training.rank"
+RES_LOCAL_RANK = "training.local_rank"
+RES_WORLD_SIZE = "training.world_size"
+RES_ATTEMPT = "training.attempt"
+RES_JOB_ID = "training.job_id"
+RES_RUN_ID = "training.run_id"
+RES_SOURCE = "training.source"
+
+# Span attribute keys the SDK itself sets (training context on OTLP spans).
+ATTR_STEP = "training.step"
+ATTR_RELATIVE_STEP = "training.relative_step"
+ATTR_EPOCH = "training.epoch"
+ATTR_ITERATION = "training.iteration"
+ATTR_TAGS = "training.tags"
