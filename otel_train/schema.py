@@ -58,6 +58,8 @@ START_SUFFIX = "_start"
 END_SUFFIX = "_end"
 
 # Instants the runtime itself writes.
+INSTANT_PROCESS_START = "process_start"
+INSTANT_PROCESS_END = "process_end"  # written by shutdown(): its absence means the process died
 INSTANT_SPANS_DROPPED = "otel_train.spans_dropped"
 INSTANT_WRITE_ERRORS = "otel_train.write_errors"
 
