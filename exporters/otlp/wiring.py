@@ -1,0 +1,170 @@
+"""Build the non-JSONL span processors named by ``OTEL_TRACES_EXPORTER`` from the standard OTel env.
+
+The SDK's own exporters read ``OTEL_EXPORTER_OTLP_*`` (endpoint, headers, timeout, compression,
+certificates) exactly as the SDK documents; this module only picks which exporter to build and
+which sampler thins what it sends. Construction problems raise ``ConfigError`` (``init`` is strict).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from opentelemetry.sdk.environment_variables import (
+    OTEL_EXPORTER_OTLP_PROTOCOL,
+    OTEL_EXPORTER_OTLP_TRACES_PROTOCOL,
+    OTEL_TRACES_SAMPLER,
+    OTEL_TRACES_SAMPLER_ARG,
+)
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import Sampler
+
+from otel_train.errors import ConfigError
+from otel_train.exporters.otlp.processor import BoundedBatchSpanProcessor
+
+OTLP = "otlp"
+CONSOLE = "console"
+EXPORTER_NAMES = (OTLP, CONSOLE)
+
+PROTOCOL_GRPC = "grpc"
+PROTOCOL_HTTP = "http/protobuf"
+PROTOCOLS = (PROTOCOL_GRPC, PROTOCOL_HTTP)
+# opentelemetry-sdk 1.45 maps a bare "otlp" exporter with no protocol set to its gRPC exporter.
+DEFAULT_PROTOCOL = PROTOCOL_GRPC
+
+_RATIO_SAMPLERS = ("traceidratio", "parentbased_traceidratio")
+# With no parent context these keep every span: skip the per-span call.
+_KEEP_ALL_SAMPLERS = ("always_on", "parentbased_always_on")
+
+# Variables the SDK's OTLP exporters read from os.environ while they are constructed.
+_EXPORTER_ENV_PREFIXES = ("OTEL_EXPORTER_OTLP_", "OTEL_PYTHON_EXPORTER_OTLP_", "_OTEL_PYTHON_EXPORTER_OTLP_")
+_ENVIRON_LOCK = threading.Lock()
+
+
+def otlp_protocol(env: Mapping[str, str]) -> str:
+    """The OTLP trace protocol: ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``, else ``OTEL_EXPORTER_OTLP_PROTOCOL``."""
+    for key in (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL):
+        raw = env.get(key, "").strip()
+        if raw:
+            if raw not in PROTOCOLS:
+                raise ConfigError(f"{key}={raw!r} is not supported; use one of {', '.join(PROTOCOLS)}.")
+            return raw
+    return DEFAULT_PROTOCOL
+
+
+def sampler_from_env(env: Mapping[str, str]) -> Sampler | None:
+    """The sampler named by ``OTEL_TRACES_SAMPLER``/``_ARG`` (SDK names and entry points); None keeps all.
+
+    Strict where the SDK only warns: an unknown name or a bad ratio raises ``ConfigError``.
+    """
+    name = env.get(OTEL_TRACES_SAMPLER, "").strip().lower()
+    if not name or name in _KEEP_ALL_SAMPLERS:
+        return None
+    # Imported here: the SDK's configuration module scans entry points, which only init needs.
+    from opentelemetry.sdk._configuration import _import_sampler_factory
+
+    raw_arg = env.get(OTEL_TRACES_SAMPLER_ARG)
+    try:
+        factory = _import_sampler_factory(name)
+    except Exception:  # noqa: BLE001 - the SDK raises RuntimeError for an unknown name
+        raise ConfigError(
+            f"{OTEL_TRACES_SAMPLER}={name!r} is not a known sampler; use always_on, always_off, traceidratio, "
+            "parentbased_traceidratio, parentbased_always_on, parentbased_always_off or a registered one."
+        ) from None
+    arg: float | str | None = raw_arg
+    if name in _RATIO_SAMPLERS:
+        # The SDK's default when no ratio is given.
+        arg = 1.0 if raw_arg is None or not raw_arg.strip() else _ratio(raw_arg)
+    try:
+        sampler = factory(arg)
+    except Exception as exc:  # noqa: BLE001 - any factory failure is a configuration problem
+        raise ConfigError(f"{OTEL_TRACES_SAMPLER}={name!r} with {OTEL_TRACES_SAMPLER_ARG}={raw_arg!r}: {exc}") from None
+    if not isinstance(sampler, Sampler):
+        raise ConfigError(f"{OTEL_TRACES_SAMPLER}={name!r} did not produce a Sampler; check the sampler entry point.")
+    return sampler
+
+
+def _ratio(raw: str) -> float:
+    try:
+        ratio = float(raw)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"{OTEL_TRACES_SAMPLER_ARG}={raw!r} must be a number from 0 to 1 for a ratio sampler.")
+    return ratio
+
+
+@contextmanager
+def _exporter_environ(env: Mapping[str, str]) -> Iterator[None]:
+    """Show the SDK exporters ``env``'s OTLP variables while they read os.environ in ``__init__``."""
+    if env is os.environ:
+        yield
+        return
+    with _ENVIRON_LOCK:
+        saved = {k: v for k, v in os.environ.items() if k.startswith(_EXPORTER_ENV_PREFIXES)}
+        for key in saved:
+            del os.environ[key]
+        mine = {k: v for k, v in env.items() if k.startswith(_EXPORTER_ENV_PREFIXES)}
+        os.environ.update(mine)
+        try:
+            yield
+        finally:
+            for key in mine:
+                os.environ.pop(key, None)
+            os.environ.update(saved)
+
+
+def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
+    protocol = otlp_protocol(env)
+    try:
+        with _exporter_environ(env):
+            if protocol == PROTOCOL_GRPC:
+                from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            else:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            return OTLPSpanExporter()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any construction failure is a configuration problem
+        raise ConfigError(
+            f"cannot build the OTLP {protocol} exporter: {type(exc).__name__}: {exc}. "
+            "Fix the OTEL_EXPORTER_OTLP_* settings."
+        ) from None
+
+
+def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
+    if name == OTLP:
+        return _otlp_exporter(env)
+    if name == CONSOLE:
+        return ConsoleSpanExporter()
+    raise ConfigError(
+        f"OTEL_TRACES_EXPORTER entry {name!r} is not supported here; use jsonl, {', '.join(EXPORTER_NAMES)} or none."
+    )
+
+
+def build_span_processors(
+    names: tuple[str, ...], *, env: Mapping[str, str] | None = None
+) -> list[BoundedBatchSpanProcessor]:
+    """One ``BoundedBatchSpanProcessor`` per exporter name (``"otlp"``, ``"console"``), sampler applied.
+
+    ``env`` defaults to ``os.environ``; ``OTEL_BSP_*`` size the batching and ``OTEL_TRACES_SAMPLER*``
+    thin what these processors send (the JSONL file is not affected). Raises ``ConfigError``.
+    """
+    env = os.environ if env is None else env
+    sampler = sampler_from_env(env)
+    processors: list[BoundedBatchSpanProcessor] = []
+    try:
+        for name in dict.fromkeys(n.strip().lower() for n in names):
+            exporter = _exporter(name, env)
+            try:
+                processors.append(BoundedBatchSpanProcessor(exporter, sampler=sampler, env=env))
+            except ConfigError:
+                exporter.shutdown()
+                raise
+    except ConfigError:
+        for built in processors:
+            built.shutdown(timeout_s=0.5)
+        raise
+    return processors
