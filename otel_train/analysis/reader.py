@@ -130,7 +130,8 @@ def _peek_attempt(pf: ProcessFiles) -> int | None:
     return None
 
 
-def _warn_stderr(message: str) -> None:
+def warn_to_stderr(message: str) -> None:
+    """The default warning sink: one line on stderr."""
     print(message, file=sys.stderr)
 
 
@@ -156,7 +157,7 @@ class Reader:
         progress: Callable[[int], None] | None = None,
     ) -> None:
         self.malformed_lines = 0
-        self._warn = warn or _warn_stderr
+        self._warn = warn or warn_to_stderr
         self._progress = progress
 
     def records(self, pf: ProcessFiles) -> Iterator[dict]:

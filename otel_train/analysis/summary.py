@@ -1,0 +1,369 @@
+"""Where each process stopped, phase timings, and findings that name the culprit.
+
+Findings (``kind``), decided per group of processes that ran together (same source and attempt):
+
+* ``hang``: a rank stopped inside a span (open, or ended ``incomplete`` by shutdown). Each stopped
+  rank gets a position (step, then the phase's place in the step); the ranks furthest behind are
+  the culprits and the ranks ahead of them, blocked in a collective waiting, are victims. When every
+  stopped rank is at the same place and nothing else explains it, one finding with ``rank: null``
+  says so (naming ranks missing from the trace when ``world_size`` says there should be more).
+* ``crash``: a process ended without shutdown (no ``process_end`` instant) and no open peer is to
+  blame: it died outside any span, or it died inside one while its peers lived on to shut down (or
+  it ran alone). Peers stopped while waiting for a crashed rank are victims.
+* ``error``: a span ended with an exception; one finding per (rank, innermost span, exception type)
+  with a count. Errors a victim raised after the hang/crash culprit stopped (collective timeouts)
+  are not findings.
+* ``straggler``: a rank slower than the median of its peers in one phase in at least half of the
+  shared steps. Excess that is explained by waiting (a peer arrived later at this phase because it
+  was slower in an earlier phase of the same step) is discounted, so the rank that is slow in
+  ``data_fetch`` is named, not the peers that wait for it in ``backward``.
+* ``restart``: an attempt after the first; says whether it got further than the one before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from otel_train.analysis.digest import ErrorSpan, ProcessDigest, Run, load_run
+from otel_train.analysis.stats import groups, median, peer_table, quantile
+from otel_train.phases import STEP
+
+HANG = "hang"
+CRASH = "crash"
+ERROR = "error"
+STRAGGLER = "straggler"
+RESTART = "restart"
+FINDING_KINDS = (HANG, CRASH, ERROR, STRAGGLER, RESTART)
+
+STRAGGLER_MIN_RATIO = 1.25
+"""A step counts as slow when the rank took at least this multiple of its peer median ..."""
+STRAGGLER_MIN_EXCESS_MS = 0.5
+"""... and at least this many ms more, after discounting time spent waiting for a later peer."""
+STRAGGLER_MIN_FRACTION = 0.5
+"""Slow in at least this fraction of the shared steps (and in at least 3) makes a straggler."""
+
+
+def summarize(path: str | Path, **load_kwargs: Any) -> dict[str, Any]:
+    """Summary of the run at ``path`` (see ``summarize_run``); raises TraceReadError without trace files."""
+    return summarize_run(load_run(path, **load_kwargs))
+
+
+def summarize_run(run: Run) -> dict[str, Any]:
+    """The CONTRACT ``summarize --json`` object: processes, unclosed, phases, findings, malformed_lines."""
+    order = run.phase_order()
+    return {
+        "processes": [_process_row(d) for d in run.processes],
+        "unclosed": [row for d in run.processes for row in _unclosed_rows(d)],
+        "phases": _phase_rows(run, order),
+        "findings": findings(run),
+        "malformed_lines": run.malformed_lines,
+    }
+
+
+def _process_row(d: ProcessDigest) -> dict[str, Any]:
+    return {
+        "rank": d.rank,
+        "attempt": d.attempt,
+        "source": d.source,
+        "host": d.host,
+        "pid": d.pid,
+        "world_size": d.world_size,
+        "final_step": d.final_step,
+        "relative_step": d.relative_step,
+        "last_event": d.last_event,
+        "last_ts": d.last_ts,
+        "open_spans": [u.name for u in d.unclosed],
+        "ended_cleanly": d.ended_cleanly,
+        "records": d.records,
+    }
+
+
+def _last_phase(d: ProcessDigest) -> str | None:
+    inner = d.innermost
+    if inner is None:
+        return None
+    return d.last_closed if inner.name == STEP and d.last_closed else inner.name
+
+
+def _unclosed_rows(d: ProcessDigest) -> list[dict[str, Any]]:
+    last_phase = _last_phase(d)
+    return [
+        {
+            "rank": d.rank,
+            "attempt": d.attempt,
+            "source": d.source,
+            "name": u.name,
+            "step": u.step,
+            "span_id": u.span_id,
+            "start_ts": u.start_ts,
+            "status": u.status,
+            "last_phase": last_phase,
+        }
+        for u in d.unclosed
+    ]
+
+
+def _phase_rows(run: Run, order: list[str]) -> list[dict[str, Any]]:
+    names = [n for n in order if any(n in d.phases for d in run.processes)]
+    rows = []
+    for name in names:
+        values: list[float] = []
+        slowest: tuple[float, ProcessDigest, int] | None = None
+        for d in run.processes:
+            series = d.phases.get(name)
+            if series is None:
+                continue
+            values.extend(series.durs)
+            top = max(range(len(series.durs)), key=series.durs.__getitem__)
+            if slowest is None or series.durs[top] > slowest[0]:
+                slowest = (series.durs[top], d, series.steps[top])
+        values.sort()
+        assert slowest is not None
+        dur, who, step = slowest
+        rows.append(
+            {
+                "name": name,
+                "count": len(values),
+                "mean_ms": sum(values) / len(values),
+                "p50_ms": quantile(values, 0.5),
+                "p95_ms": quantile(values, 0.95),
+                "max_ms": values[-1],
+                "slowest": {
+                    "rank": who.rank,
+                    "attempt": who.attempt,
+                    "step": step if step >= 0 else None,
+                    "dur_ms": dur,
+                },
+            }
+        )
+    return rows
+
+
+def _finding(kind: str, d: ProcessDigest | None, step: int | None, phase: str | None, message: str, **extra: Any):
+    return {
+        "kind": kind,
+        "rank": d.rank if d is not None else None,
+        "attempt": d.attempt if d is not None else extra.pop("attempt", None),
+        "step": step,
+        "phase": phase,
+        "message": message,
+        **extra,
+    }
+
+
+def findings(run: Run) -> list[dict[str, Any]]:
+    """All findings, culprits only: hangs and crashes first, then errors, stragglers, restarts."""
+    order = {name: i for i, name in enumerate(run.phase_order())}
+    out: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    stragglers: list[dict[str, Any]] = []
+    for group in groups(run):
+        culprits, stop_found = _stop_findings(group, order)
+        out.extend(stop_found)
+        errors.extend(_error_findings(group, culprits))
+        stragglers.extend(_straggler_findings(group, run.phase_order()))
+    return out + errors + stragglers + _restart_findings(run)
+
+
+def _ranks(ds: Sequence[ProcessDigest]) -> str:
+    return ",".join(str(d.rank) for d in ds)
+
+
+def _where(d: ProcessDigest) -> tuple[int | None, str | None]:
+    inner = d.innermost
+    if inner is None:
+        return d.final_step, d.last_closed
+    return (inner.step if inner.step is not None else d.final_step), _last_phase(d)
+
+
+def _position(d: ProcessDigest, order: dict[str, int]) -> tuple[int, float]:
+    step, _ = _where(d)
+    inner = d.innermost
+    assert inner is not None
+    if inner.name == STEP:
+        # Between phases: just after the last phase that closed in this step.
+        place = order.get(d.last_closed, -1) + 0.5 if d.last_closed else -0.5
+    else:
+        place = float(order.get(inner.name, len(order)))
+    return (step if step is not None else -1, place)
+
+
+def _stop_findings(
+    group: list[ProcessDigest], order: dict[str, int]
+) -> tuple[list[ProcessDigest], list[dict[str, Any]]]:
+    """Hang and crash findings of one group; returns (culprits, findings)."""
+    stopped = [d for d in group if d.unclosed]
+    others = [d for d in group if not d.unclosed]
+    died_outside = [d for d in others if not d.ended_cleanly]
+    found = []
+    for d in died_outside:
+        step, phase = _where(d)
+        found.append(
+            _finding(
+                CRASH, d, step, phase,
+                f"rank {d.rank} (attempt {d.attempt}) ended without shutdown after step {step}"
+                f" (last record: {d.last_event}); it died outside any span",
+            )
+        )
+    culprits = list(died_outside)
+    if not stopped or died_outside:
+        return culprits, found  # stopped ranks, if any, were waiting for the crashed one
+    pos = {id(d): _position(d, order) for d in stopped}
+    lowest = min(pos.values())
+    behind = [d for d in stopped if pos[id(d)] == lowest]
+    ahead = [d for d in stopped if pos[id(d)] != lowest]
+    if not ahead and not others:
+        dead = [d for d in stopped if not d.ended_cleanly]
+        if 0 < len(dead) < len(stopped):
+            behind, ahead = dead, [d for d in stopped if d.ended_cleanly]
+        elif len(stopped) > 1:
+            found.append(_all_stopped(stopped))
+            return culprits, found
+    for d in behind:
+        step, phase = _where(d)
+        alone = len(group) == 1
+        crashed = not d.ended_cleanly and (alone or any(p.ended_cleanly for p in group if p is not d))
+        chain = " > ".join(u.name for u in d.unclosed)
+        waiting = ""
+        if ahead:
+            places = sorted({_where(p)[1] or "?" for p in ahead})
+            waiting = f"; peers {_ranks(ahead)} waited in {'/'.join(places)}"
+        elif others:
+            waiting = f"; peers {_ranks(others)} did not stop inside a span"
+        if crashed:
+            message = f"rank {d.rank} (attempt {d.attempt}) died without shutdown inside {chain} at step {step}{waiting}"
+        else:
+            message = f"rank {d.rank} (attempt {d.attempt}) stopped inside {chain} at step {step}{waiting}"
+        found.append(_finding(CRASH if crashed else HANG, d, step, phase, message))
+        culprits.append(d)
+    return culprits, found
+
+
+def _all_stopped(stopped: list[ProcessDigest]) -> dict[str, Any]:
+    first = stopped[0]
+    step, phase = _where(first)
+    world = max((d.world_size or 0) for d in stopped)
+    present = {d.rank for d in stopped}
+    missing = [r for r in range(world) if r not in present]
+    hint = (
+        f"; ranks {','.join(map(str, missing))} wrote no trace for this attempt: look there"
+        if missing
+        else "; no rank stands out: suspect a collective, the network or storage"
+    )
+    return _finding(
+        HANG, None, step, phase,
+        f"all {len(stopped)} ranks of attempt {first.attempt} stopped in {phase} at step {step}{hint}",
+        attempt=first.attempt,
+        ranks=sorted(present),
+    )
+
+
+def _innermost_errors(d: ProcessDigest) -> list[ErrorSpan]:
+    parents = {e.parent_span_id for e in d.errors}
+    return [e for e in d.errors if e.span_id not in parents]
+
+
+def _error_findings(group: list[ProcessDigest], culprits: list[ProcessDigest]) -> list[dict[str, Any]]:
+    stop_ts = min(
+        ((c.innermost.start_ts if c.innermost else c.last_ts) or 0.0 for c in culprits), default=None
+    )
+    out = []
+    for d in group:
+        victim = stop_ts is not None and d not in culprits
+        by_key: dict[tuple[str, str], list[ErrorSpan]] = {}
+        for e in _innermost_errors(d):
+            if victim and e.ts >= stop_ts:  # type: ignore[operator]
+                continue  # e.g. a collective timing out because the culprit never arrived
+            by_key.setdefault((e.name, e.error_type), []).append(e)
+        for (name, etype), errs in by_key.items():
+            e = errs[0]
+            times = f" ({len(errs)} times, first at step {e.step})" if len(errs) > 1 else ""
+            out.append(
+                _finding(
+                    ERROR, d, e.step, name,
+                    f"rank {d.rank} (attempt {d.attempt}): {name} raised {etype}: {e.message} at step {e.step}{times}",
+                    count=len(errs),
+                )
+            )
+    return out
+
+
+def _straggler_findings(group: list[ProcessDigest], order: list[str]) -> list[dict[str, Any]]:
+    if len(group) < 2:
+        return []
+    names = [n for n in order if any(n in d.phases for d in group)]
+    children = [n for n in names if any(d.parents.get(n) == STEP for d in group)]
+    # Cumulative excess over peers before each step-child phase: how late each rank arrived there.
+    lateness: dict[int, list[float]] = {}
+    out = []
+    for name in names:
+        table = peer_table(group, name)
+        is_child = name in children
+        slow: list[list[tuple[float, float, int]]] = [[] for _ in group]  # (ratio, excess, step)
+        counted = [0] * len(group)
+        for step, row, refs in zip(table.steps, table.durs, table.peers):
+            late = lateness.get(step, [0.0] * len(group)) if is_child else [0.0] * len(group)
+            latest = max(late)
+            for j, (v, ref) in enumerate(zip(row, refs)):
+                if v is None or ref is None:
+                    continue
+                counted[j] += 1
+                excess = v - ref
+                unexplained = excess - (latest - late[j])
+                if v >= STRAGGLER_MIN_RATIO * ref and unexplained >= max(STRAGGLER_MIN_EXCESS_MS, 0.25 * ref):
+                    slow[j].append((v / ref if ref else float("inf"), excess, step))
+            if is_child:
+                lateness[step] = [
+                    lt + ((v - ref) if v is not None and ref is not None else 0.0)
+                    for lt, v, ref in zip(late, row, refs)
+                ]
+        for d, hits, n in zip(group, slow, counted):
+            if n and len(hits) >= max(3, STRAGGLER_MIN_FRACTION * n):
+                ratio = median([h[0] for h in hits])
+                extra = median([h[1] for h in hits])
+                worst = max(hits, key=lambda h: h[1])
+                out.append(
+                    _finding(
+                        STRAGGLER, d, worst[2], name,
+                        f"rank {d.rank} (attempt {d.attempt}) is slower than its peers in {name} in "
+                        f"{len(hits)}/{n} steps: {ratio:.1f}x the peer median (+{extra:.1f} ms per step; "
+                        f"worst at step {worst[2]}, +{worst[1]:.1f} ms)",
+                        score=ratio,
+                        slow_steps=len(hits),
+                        steps=n,
+                    )
+                )
+    return out
+
+
+def _restart_findings(run: Run) -> list[dict[str, Any]]:
+    out = []
+    by_source: dict[str, dict[int, list[ProcessDigest]]] = {}
+    for d in run.processes:
+        by_source.setdefault(d.source, {}).setdefault(d.attempt, []).append(d)
+    for attempts in by_source.values():
+        ordered = sorted(attempts)
+        for prev, cur in zip(ordered, ordered[1:]):
+            before = _reach(attempts[prev])
+            after = _reach(attempts[cur])
+            start = min((d.first_step for d in attempts[cur] if d.first_step is not None), default=None)
+            if after is not None and (before is None or after > before):
+                verdict = f"made progress: reached step {after} (+{after - (before or 0)} beyond attempt {prev})"
+            else:
+                verdict = f"made no progress: reached step {after}, attempt {prev} had reached {before}"
+            out.append(
+                _finding(
+                    RESTART, None, start, None,
+                    f"attempt {cur} ({len(attempts[cur])} ranks) restarted at step {start} after attempt {prev} "
+                    f"stopped at step {before}; it {verdict}",
+                    attempt=cur,
+                    progress=after is not None and (before is None or after > before),
+                )
+            )
+    return out
+
+
+def _reach(ds: list[ProcessDigest]) -> int | None:
+    return max((d.final_step for d in ds if d.final_step is not None), default=None)

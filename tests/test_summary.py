@@ -1,0 +1,219 @@
+"""Summary and findings on synthetic multi-rank runs: each scenario names its culprit and only it."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+from analysis_fixtures import Proc, write_run
+
+from otel_train import schema
+from otel_train.analysis.summary import summarize
+from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER
+
+WORLD = 4
+
+
+def _ranks(world: int = WORLD, **kw: object) -> list[Proc]:
+    return [Proc(rank=r, world_size=world, **kw) for r in range(world)]  # type: ignore[arg-type]
+
+
+def _kinds(summary: dict) -> list[tuple[str, int | None]]:
+    return [(f["kind"], f["rank"]) for f in summary["findings"]]
+
+
+def _hang_run(tmp_path: Path, *, killed: bool) -> dict:
+    procs = _ranks()
+    for p in procs:
+        p.steps(range(10))
+    for p in procs:
+        if p.rank == 2:
+            p.stop_inside(10, [DATA_FETCH])  # the culprit: stuck reading data
+        else:
+            p.set_step(10)
+            p.start("step")
+            for name in (DATA_FETCH, FORWARD):
+                p.start(name)
+                p.advance(3)
+                p.end()
+            p.start(BACKWARD)  # blocked in the gradient all-reduce
+            p.advance(5)
+    if not killed:
+        for p in procs:
+            p.shutdown()  # torchrun SIGTERM: open spans end as incomplete
+    write_run(tmp_path, procs)
+    return summarize(tmp_path, warn=pytest.fail)
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["sigterm", "sigkill"])
+def test_hang_names_only_the_rank_behind(tmp_path: Path, killed: bool) -> None:
+    summary = _hang_run(tmp_path, killed=killed)
+    assert _kinds(summary) == [("hang", 2)]
+    (finding,) = summary["findings"]
+    assert finding["phase"] == DATA_FETCH and finding["step"] == 10
+    assert "0,1,3 waited in backward" in finding["message"]
+    procs = summary["processes"]
+    assert [p["open_spans"] for p in procs] == [["step", BACKWARD]] * 2 + [["step", DATA_FETCH]] + [["step", BACKWARD]]
+    assert all(p["final_step"] == 10 and p["relative_step"] == 10 for p in procs)
+    expected_status = "open" if killed else schema.STATUS_INCOMPLETE
+    unclosed = [(u["rank"], u["name"], u["status"]) for u in summary["unclosed"]]
+    assert (2, DATA_FETCH, expected_status) in unclosed and len(unclosed) == 8
+    assert {u["last_phase"] for u in summary["unclosed"] if u["rank"] == 2} == {DATA_FETCH}
+
+
+def test_victim_timeouts_after_a_hang_are_not_findings(tmp_path: Path) -> None:
+    procs = _ranks()
+    for p in procs:
+        p.steps(range(5))
+    procs[1].stop_inside(5, [DATA_FETCH])
+    for p in procs:
+        if p.rank != 1:
+            p.advance(100)  # after the culprit stopped: the NCCL watchdog fires in the peers
+            p.fail(5, BACKWARD, "DistBackendError", "watchdog timeout")
+        p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path)
+    assert _kinds(summary) == [("hang", 1)]
+    assert "did not stop inside a span" in summary["findings"][0]["message"]
+
+
+def test_crash_inside_a_span_while_peers_shut_down(tmp_path: Path) -> None:
+    procs = _ranks()
+    for p in procs:
+        p.steps(range(5))
+    procs[1].set_step(5)
+    procs[1].start("step")
+    procs[1].start(DATA_FETCH)
+    procs[1].advance(2)
+    procs[1].end()
+    procs[1].start(FORWARD)  # OOM-killed here: no end records, no process_end
+    for p in procs:
+        if p.rank != 1:
+            p.stop_inside(5, [BACKWARD])
+            p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path)
+    assert _kinds(summary) == [("crash", 1)]
+    assert summary["findings"][0]["phase"] == FORWARD
+    assert "died without shutdown" in summary["findings"][0]["message"]
+
+
+def test_crash_between_steps_makes_waiting_peers_victims(tmp_path: Path) -> None:
+    procs = _ranks()
+    for p in procs:
+        p.steps(range(5))
+        if p.rank != 3:
+            p.stop_inside(5, [BACKWARD])
+            p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path)
+    assert _kinds(summary) == [("crash", 3)]
+    assert summary["findings"][0]["step"] == 4
+
+
+def test_single_process_killed_inside_a_span_is_a_crash(tmp_path: Path) -> None:
+    (p,) = _ranks(world=1)
+    p.steps(range(3))
+    p.stop_inside(3, [FORWARD])
+    write_run(tmp_path, [p])
+    assert _kinds(summarize(tmp_path)) == [("crash", 0)]
+
+
+def test_error_is_reported_once_per_span_and_type(tmp_path: Path) -> None:
+    procs = _ranks(world=2)
+    for p in procs:
+        p.steps(range(3))
+    procs[0].fail(3, FORWARD, "ValueError", "bad batch")
+    procs[0].fail(4, FORWARD, "ValueError", "bad batch")
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path)
+    assert _kinds(summary) == [("error", 0)]
+    (f,) = summary["findings"]
+    assert (f["phase"], f["step"], f["count"]) == (FORWARD, 3, 2)
+    assert "ValueError: bad batch" in f["message"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_straggler_is_the_slow_rank_not_the_waiting_peers(tmp_path: Path, world: int) -> None:
+    procs = _ranks(world=world)
+    for p in procs:
+        for s in range(20):
+            slow = p.rank == world - 1
+            jitter = (s % 3) * 0.2
+            p.step(
+                s,
+                {
+                    DATA_FETCH: (50.0 if slow else 5.0) + jitter,
+                    FORWARD: 20.0,
+                    BACKWARD: 40.0 + (0.0 if slow else 45.0),  # peers wait for the slow one here
+                    OPTIMIZER: 5.0,
+                },
+            )
+        p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path)
+    assert _kinds(summary) == [("straggler", world - 1)]
+    f = summary["findings"][0]
+    assert f["phase"] == DATA_FETCH and f["slow_steps"] == 20
+    data_fetch = next(r for r in summary["phases"] if r["name"] == DATA_FETCH)
+    assert data_fetch["slowest"]["rank"] == world - 1 and data_fetch["count"] == 20 * world
+    values = [(50.0 if r == world - 1 else 5.0) + (s % 3) * 0.2 for r in range(world) for s in range(20)]
+    assert data_fetch["p50_ms"] == pytest.approx(statistics.median(values), abs=1e-6)
+    assert data_fetch["max_ms"] == pytest.approx(50.4, abs=1e-6)
+
+
+def test_no_findings_for_a_healthy_run(tmp_path: Path) -> None:
+    procs = _ranks()
+    for p in procs:
+        p.steps(range(10))
+        p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path)
+    assert summary["findings"] == [] and summary["unclosed"] == []
+    assert all(p["last_event"] == schema.INSTANT_PROCESS_END for p in summary["processes"])
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_restart_says_whether_the_later_attempt_progressed(tmp_path: Path, progress: bool) -> None:
+    first = _ranks(world=2, attempt=0, stamp="20240101-000000")
+    second = _ranks(world=2, attempt=1, stamp="20240101-001000", t0=1_700_000_900.0)
+    for p in first:
+        p.steps(range(20))
+        p.stop_inside(20, [DATA_FETCH] if p.rank == 0 else [BACKWARD])
+        p.shutdown()
+    for p in second:
+        p.steps(range(15, 40 if progress else 18))
+        p.shutdown()
+    write_run(tmp_path, first + second)
+    summary = summarize(tmp_path)
+    assert _kinds(summary) == [("hang", 0), ("restart", None)]
+    restart = summary["findings"][1]
+    assert restart["attempt"] == 1 and restart["step"] == 15 and restart["progress"] is progress
+    assert ("made progress" if progress else "made no progress") in restart["message"]
+
+
+def test_all_ranks_stuck_alike_names_missing_ranks(tmp_path: Path) -> None:
+    procs = _ranks()[:3]  # rank 3 of 4 wrote nothing
+    for p in procs:
+        p.steps(range(4))
+        p.stop_inside(4, [BACKWARD])
+        p.shutdown()
+    write_run(tmp_path, procs)
+    (f,) = summarize(tmp_path)["findings"]
+    assert (f["kind"], f["rank"], f["phase"], f["ranks"]) == ("hang", None, BACKWARD, [0, 1, 2])
+    assert "ranks 3 wrote no trace" in f["message"]
+
+
+def test_malformed_lines_are_counted(tmp_path: Path) -> None:
+    procs = _ranks(world=2)
+    for p in procs:
+        p.steps(range(3))
+        p.shutdown()
+    write_run(tmp_path, procs, garbage={2: b"\xff\xfe"}, torn_tail=True)
+    warnings: list[str] = []
+    summary = summarize(tmp_path, warn=warnings.append)
+    assert summary["malformed_lines"] == 4 and len(warnings) == 2
+    assert all(p["last_event"] == "step_end" for p in summary["processes"])  # process_end line was torn
