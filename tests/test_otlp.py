@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON, TraceIdRatioBased
 from otlp_receivers import BlackHoleServer, GrpcOtlpReceiver, HttpOtlpReceiver, refused_endpoint
 
 from otel_train.errors import ConfigError
-from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors
+from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors, shutdown_processors
 
 SECRET = "s3cr3t-token-value"
 GRPC = "grpc"
@@ -126,6 +126,22 @@ def test_shutdown_returns_within_timeout_and_counts_undelivered(protocol, collec
     assert processor.dropped == 6
     processor.shutdown(timeout_s=1.0)  # idempotent
     assert processor.dropped == 6
+
+
+def test_shutdown_processors_shares_one_budget():
+    with BlackHoleServer() as hole:
+        processors = [
+            _only(build_span_processors(("otlp",), env={"OTEL_EXPORTER_OTLP_ENDPOINT": hole.endpoint})),
+            _only(build_span_processors(("otlp",), env={"OTEL_EXPORTER_OTLP_ENDPOINT": refused_endpoint(),
+                                                         "OTEL_EXPORTER_OTLP_PROTOCOL": HTTP})),
+        ]
+        for processor in processors:
+            _step_trace(_provider(processor))
+        t0 = time.monotonic()
+        shutdown_processors(processors, timeout_s=1.0)
+        elapsed = time.monotonic() - t0
+    assert elapsed < 1.5  # one budget for both, not one each
+    assert [(p.exported, p.dropped) for p in processors] == [(0, 3), (0, 3)]
 
 
 def test_export_failure_logged_once_and_headers_never_logged(caplog):

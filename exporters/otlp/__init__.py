@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from otel_train.exporters.otlp.processor import BoundedBatchSpanProcessor
+from otel_train.exporters.otlp.processor import BoundedBatchSpanProcessor, shutdown_processors
 from otel_train.exporters.otlp.wiring import build_span_processors, otlp_protocol, sampler_from_env
 
-__all__ = ["BoundedBatchSpanProcessor", "build_span_processors", "otlp_protocol", "sampler_from_env"]
+__all__ = ["BoundedBatchSpanProcessor", "build_span_processors", "otlp_protocol", "sampler_from_env", "shutdown_processors"]

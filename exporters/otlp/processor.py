@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.environment_variables import (
@@ -115,7 +115,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
             def _after_in_child() -> None:
                 processor = self_ref()
-                if processor is not None:
+                if processor is not None and not processor._is_shutdown:
                     processor._start_worker()
 
             os.register_at_fork(after_in_child=_after_in_child)
@@ -137,7 +137,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         """Nothing to do: only ended spans are exported."""
 
     def on_end(self, span: ReadableSpan) -> None:
-        """Queue ``span`` for export (O(1)); drop and count it when the queue is full or shut down."""
+        """Queue ``span`` for export (O(1)); drop and count it when the queue is full or after shutdown."""
         ctx = span.context
         if ctx is None or not ctx.trace_flags.sampled:
             return
@@ -259,3 +259,20 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             type(self.exporter).__name__,
             count,
         )
+
+
+def shutdown_processors(processors: Iterable[BoundedBatchSpanProcessor], timeout_s: float = 5.0) -> None:
+    """Shut several processors down in parallel, all within one ``timeout_s`` budget.
+
+    ``TracerProvider.shutdown()`` would call them one after another with their default budget each;
+    call this first, and the provider's later calls return at once (shutdown is idempotent).
+    """
+    threads = [
+        threading.Thread(target=p.shutdown, args=(timeout_s,), name="otel_train.otlp.shutdown", daemon=True)
+        for p in processors
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + max(timeout_s, 0.0)
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
