@@ -1,0 +1,155 @@
+"""The JSONL sink: a SpanProcessor that writes a record when a span starts and when it ends.
+
+It is a processor, not an exporter, on purpose: an exporter only ever sees ended spans, and the whole
+point is that a hung or killed rank's open spans are already on disk.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+import msgspec
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+
+from otel_train import context as step_context
+from otel_train.exporters.jsonl.encoder import INCOMPLETE_ATTR, CallerFinder, RecordEncoder
+
+_decode = msgspec.json.decode
+get_native_id = threading.get_native_id
+
+RecordHandler = Callable[[dict], None]
+
+
+class JsonlSpanProcessor(SpanProcessor):
+    """Writes schema-v1 records to a writer (one ``write`` call per line) and hands them to record handlers.
+
+    ``writer`` is anything with ``write(bytes) -> bool`` and ``close()`` (normally a RotatingFileWriter),
+    or None when only record handlers want the records. Never raises into the caller: an internal fault
+    is reported once on stderr and counted in ``internal_errors``.
+    """
+
+    def __init__(
+        self,
+        writer: Any,
+        encoder: RecordEncoder,
+        *,
+        caller: CallerFinder | None = None,
+        record_handlers: Iterable[RecordHandler] = (),
+    ) -> None:
+        self._writer = writer
+        self._encoder = encoder
+        self._caller = caller
+        self._handlers = tuple(record_handlers)
+        # Reentrant: shutdown may run from a SIGTERM handler that interrupted a write on this thread.
+        self._lock = threading.RLock()
+        self._seq = 0
+        self._open: dict[int, tuple[Span, step_context.StepState, str]] = {}
+        self._closed = False
+        self.internal_errors = 0
+        self.handler_errors = 0
+        self._reported: set[str] = set()
+
+    @property
+    def records_written(self) -> int:
+        """Records made so far (``seq`` of the last one)."""
+        return self._seq
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        try:
+            state = step_context.current()
+            ids = self._encoder.ids(span)
+            self._open[span.context.span_id] = (span, state, ids)
+            caller = self._caller() if self._caller is not None else ""
+            tid = get_native_id()
+            with self._lock:
+                self._seq += 1
+                self._write(self._encoder.span_start(span, ids, state, tid, self._seq, caller))
+        except Exception as exc:  # never break training over a trace record
+            self._fault("span start", exc)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        try:
+            entry = self._open.pop(span.context.span_id, None)
+            if entry is None:  # started before this processor existed
+                state, ids = step_context.current(), self._encoder.ids(span)
+            else:
+                _, state, ids = entry
+            tid = get_native_id()
+            with self._lock:
+                self._seq += 1
+                self._write(self._encoder.span_end(span, ids, state, tid, self._seq))
+        except Exception as exc:
+            self._fault("span end", exc)
+
+    def point(self, kind: str, name: str, payload_key: str, payload: Mapping[str, Any] | None) -> None:
+        """Write an instant or scalar record inside the caller's current span and step."""
+        try:
+            ctx = trace.get_current_span().get_span_context()
+            caller = self._caller() if self._caller is not None else ""
+            state = step_context.current()
+            tid = get_native_id()
+            with self._lock:
+                self._seq += 1
+                self._write(self._encoder.point(kind, name, time.time_ns(), ctx.trace_id, ctx.span_id, state, tid,
+                                                self._seq, caller, payload_key, payload))
+        except Exception as exc:
+            self._fault(kind, exc)
+
+    def _write(self, line: bytes) -> None:
+        # Called with the lock held, so seq order is file order.
+        if self._closed:
+            return
+        if self._writer is not None:
+            self._writer.write(line)
+        if self._handlers:
+            self._hand_over(_decode(line))
+
+    def _hand_over(self, record: dict) -> None:
+        for handler in self._handlers:
+            try:
+                handler(record)
+            except Exception as exc:
+                self.handler_errors += 1
+                self._fault(f"record handler {getattr(handler, '__qualname__', handler)!r}", exc, count=False)
+
+    def end_open_spans(self) -> int:
+        """End every still-open span with status ``incomplete`` (innermost first); returns how many."""
+        with self._lock:
+            spans = [entry[0] for entry in reversed(self._open.values())]
+        for span in spans:
+            try:
+                span.set_attribute(INCOMPLETE_ATTR, True)
+                span.end()
+            except Exception as exc:
+                self._fault("ending an open span", exc)
+        return len(spans)
+
+    def open_span_count(self) -> int:
+        """How many spans have started and not ended."""
+        return len(self._open)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._writer is not None:
+                self._writer.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        # Every record is written by the time _emit returns: nothing is ever held back.
+        return True
+
+    def _fault(self, where: str, exc: BaseException, *, count: bool = True) -> None:
+        if count:
+            self.internal_errors += 1
+        key = f"{where}:{type(exc).__name__}"
+        if key not in self._reported:
+            self._reported.add(key)
+            print(f"otel-train: error writing a {where} record: {type(exc).__name__}: {exc}; "
+                  "tracing continues (reported once)", file=sys.stderr)

@@ -1,0 +1,203 @@
+"""The public tracing calls: the hot path. No settings parsing, no file I/O here.
+
+The runtime installs a :class:`Tracing` object in ``_tracing`` at ``init`` and removes it at ``shutdown``;
+while it is None every call returns at once (a shared no-op object for the common no-attribute case).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Any, Callable, Mapping, TypeVar
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from otel_train import context as step_context
+from otel_train import schema as S
+from otel_train.phases import STEP
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Tracing:
+    """What the hot path needs from an initialised runtime (built by ``otel_train.runtime``)."""
+
+    __slots__ = ("tracer", "start_step_span", "point", "add_event")
+
+    def __init__(
+        self,
+        tracer: trace.Tracer,
+        start_step_span: Callable[[Mapping[str, Any] | None], trace.Span] | None,
+        point: Callable[[str, str, str, Mapping[str, Any] | None], None],
+        add_event: bool,
+    ) -> None:
+        self.tracer = tracer
+        self.start_step_span = start_step_span  # None unless one trace per step is on
+        self.point = point
+        self.add_event = add_event  # copy instants onto the current span (for OTLP and other processors)
+
+
+_tracing: Tracing | None = None
+
+
+class _Span:
+    """Context manager and decorator returned by :func:`log_trace_span`."""
+
+    __slots__ = ("_name", "_attrs", "_span", "_token")
+
+    def __init__(self, name: str, attrs: Mapping[str, Any] | None) -> None:
+        self._name = name
+        self._attrs = attrs
+        self._span: trace.Span | None = None
+        self._token: object = None
+
+    def __enter__(self) -> trace.Span:
+        tracing = _tracing
+        if tracing is None:
+            return trace.INVALID_SPAN
+        if self._span is not None:
+            raise RuntimeError(f"otel_train.log_trace_span({self._name!r}) is already entered; use a new one")
+        if self._name == STEP and tracing.start_step_span is not None:
+            span = tracing.start_step_span(self._attrs)
+        else:
+            span = tracing.tracer.start_span(self._name, attributes=self._attrs)
+        self._span = span
+        self._token = otel_context.attach(trace.set_span_in_context(span))
+        return span
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        span = self._span
+        if span is None:
+            return False
+        self._span = None
+        try:
+            otel_context.detach(self._token)
+        finally:
+            if exc is not None and span.is_recording():
+                span.record_exception(exc, escaped=True)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            if span.is_recording():  # shutdown may already have ended it as incomplete
+                span.end()
+        return False
+
+    def __call__(self, fn: F) -> F:
+        name, attrs = self._name, self._attrs
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                with _Span(name, attrs):
+                    return await fn(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with _Span(name, attrs):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+class _NoopSpan(_Span):
+    """Shared per name while tracing is off: entering it does nothing, decorating still traces later."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> trace.Span:
+        return trace.INVALID_SPAN
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        return False
+
+
+_noop_spans: dict[str, _NoopSpan] = {}
+
+
+def log_trace_span(name: str, /, **attributes: Any) -> _Span:
+    """A span around a block (``with``) or a function (decorator; sync or ``async def``).
+
+    The JSONL sink writes a start record at entry and an end record at exit. An exception marks the
+    span as error (type and message recorded) and propagates unchanged. ``with`` yields the OTel span.
+    """
+    if _tracing is None and not attributes:
+        noop = _noop_spans.get(name)
+        if noop is None:
+            if len(_noop_spans) >= 1024:  # names should be low-cardinality; don't grow without bound
+                _noop_spans.clear()
+            noop = _noop_spans[name] = _NoopSpan(name, None)
+        return noop
+    return _Span(name, attributes or None)
+
+
+def log_trace_instant(name: str, /, **attributes: Any) -> None:
+    """A point event inside the current span and step."""
+    tracing = _tracing
+    if tracing is None:
+        return
+    tracing.point(S.INSTANT, name, S.ATTRS, attributes)
+    if tracing.add_event:
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.add_event(name, {k: v if isinstance(v, (str, bool, int, float)) else str(v)
+                                  for k, v in attributes.items()})
+
+
+def log_trace_scalar(values: Mapping[str, int | float | bool]) -> None:
+    """Record numeric values (e.g. loss, lr, batch size). Non-numbers, tensors included, raise TypeError.
+
+    Never calls ``.item()``: convert device values yourself where a sync is acceptable.
+    """
+    if not isinstance(values, Mapping):
+        raise TypeError(f"otel_train.log_trace_scalar: values must be a mapping of str to number, "
+                        f"got {type(values).__name__}")
+    for key, value in values.items():
+        if not isinstance(key, str):
+            raise TypeError(f"otel_train.log_trace_scalar: key {key!r} must be a str")
+        if type(value) not in (int, float, bool) and not _is_plain_number(value):
+            raise TypeError(f"otel_train.log_trace_scalar: value of {key!r} must be an int, float or bool, "
+                            f"got {type(value).__module__}.{type(value).__qualname__} "
+                            "(convert tensors yourself, e.g. loss.detach().item(), where a device sync is fine)")
+    tracing = _tracing
+    if tracing is None:
+        return
+    tracing.point(S.SCALAR, S.SCALAR, S.VALUES, {k: _json_number(v) for k, v in values.items()})
+
+
+def _is_plain_number(value: object) -> bool:
+    # int/float subclasses and numpy scalars are host values; anything else (a tensor) is not accepted.
+    if isinstance(value, (int, float)):
+        return True
+    return type(value).__module__ == "numpy" and hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0
+
+
+def _json_number(value: Any) -> int | float | bool | str | None:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    number = float(value)
+    if math.isfinite(number):
+        return number
+    return None if math.isnan(number) else ("inf" if number > 0 else "-inf")
+
+
+def add_step_tag(tag: str) -> None:
+    """Tag the current step (e.g. ``"checkpoint"``, ``"nan_skip"``); tags clear when the step changes."""
+    step_context.add_tag(tag)
+
+
+def set_step(step: int, *, epoch: int | None = None, iteration: int | None = None) -> None:
+    """Set the training context every following record carries."""
+    if step_context.set_step(step, epoch, iteration) and _tracing is not None:
+        for listener in tuple(step_context.step_listeners):
+            listener(step)
+
+
+def training_step(step: int, *, epoch: int | None = None, iteration: int | None = None) -> _Span:
+    """``set_step(...)`` plus a span named ``step`` around the body."""
+    set_step(step, epoch=epoch, iteration=iteration)
+    return log_trace_span(STEP)

@@ -1,0 +1,106 @@
+"""Training context (step, epoch, iteration, tags) carried by every record.
+
+The current :class:`StepState` lives in a ContextVar, so an asyncio task or a thread started with a
+copied context keeps the step it was started in. A thread started with an empty context (the default
+for ``threading.Thread``) sees the latest step set anywhere in the process. Knows nothing of OTel.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Callable
+
+
+class StepState:
+    """An immutable snapshot of the training context; a new one is made whenever it changes."""
+
+    __slots__ = ("step", "relative_step", "epoch", "iteration", "tags", "sink_cache")
+
+    def __init__(
+        self,
+        step: int | None,
+        relative_step: int | None,
+        epoch: int | None,
+        iteration: int | None,
+        tags: tuple[str, ...],
+    ) -> None:
+        self.step = step
+        self.relative_step = relative_step
+        self.epoch = epoch
+        self.iteration = iteration
+        self.tags = tags
+        # Sinks may memoise what they derive from this snapshot here (it never changes once made).
+        self.sink_cache: object = None
+
+
+EMPTY = StepState(None, None, None, None, ())
+
+_current: contextvars.ContextVar[StepState | None] = contextvars.ContextVar("otel_train_step", default=None)
+_latest: StepState = EMPTY
+_first_step: int | None = None
+
+# Called with the new step whenever set_step changes it (telemetry samplers and the like).
+step_listeners: list[Callable[[int], None]] = []
+
+
+def current() -> StepState:
+    """The training context of the calling task or thread."""
+    state = _current.get()
+    return _latest if state is None else state
+
+
+def current_step() -> int | None:
+    """The current step, or None before the first ``set_step``."""
+    return current().step
+
+
+def set_step(step: int, epoch: int | None = None, iteration: int | None = None) -> bool:
+    """Make ``step`` current; returns whether the step changed (tags are cleared when it does)."""
+    global _latest, _first_step
+    for label, value in (("step", step), ("epoch", epoch), ("iteration", iteration)):
+        if value is not None and not _is_integral(value):
+            raise TypeError(f"otel_train.set_step: {label} must be an int, got {type(value).__name__}")
+    step = int(step)
+    if _first_step is None:
+        _first_step = step
+    old = current()
+    changed = old.step != step
+    tags = () if changed else old.tags
+    state = StepState(
+        step,
+        step - _first_step,
+        old.epoch if epoch is None else int(epoch),
+        (None if changed else old.iteration) if iteration is None else int(iteration),
+        tags,
+    )
+    _latest = state
+    _current.set(state)
+    return changed
+
+
+def add_tag(tag: str) -> None:
+    """Add ``tag`` to the current step's tags (kept until the step changes)."""
+    global _latest
+    if not isinstance(tag, str):
+        raise TypeError(f"otel_train.add_step_tag: tag must be a str, got {type(tag).__name__}")
+    old = current()
+    if tag in old.tags:
+        return
+    state = StepState(old.step, old.relative_step, old.epoch, old.iteration, old.tags + (tag,))
+    _latest = state
+    _current.set(state)
+
+
+def reset() -> None:
+    """Forget all training context (a new process attempt starts counting relative steps again)."""
+    global _latest, _first_step
+    _latest = EMPTY
+    _first_step = None
+    _current.set(None)
+
+
+def _is_integral(value: object) -> bool:
+    # Python and numpy integers only: int() on a tensor would be .item(), a device sync.
+    if isinstance(value, int):
+        return not isinstance(value, bool)
+    return type(value).__module__ == "numpy" and hasattr(value, "__index__")

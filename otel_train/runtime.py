@@ -1,0 +1,369 @@
+"""``init`` / ``shutdown``: builds the tracer provider, processors and sinks; process lifecycle hooks.
+
+Flow: user call (``otel_train.api``) → SDK span → processors (JSONL first, then training-context
+attributes, then OTLP/console/custom) → sinks. Startup is strict (``ConfigError``); afterwards nothing
+here raises into training code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import secrets
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import Link
+
+from otel_train import api
+from otel_train import context as step_context
+from otel_train import schema as S
+from otel_train._version import __version__
+from otel_train.config import Settings, resolve_settings
+from otel_train.errors import ConfigError
+from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder
+from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
+from otel_train.exporters.jsonl.writer import RotatingFileWriter
+from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors
+from otel_train.handlers import load_handlers
+from otel_train.phases import STEP
+from otel_train.resource import RunContext, build_resource, detect_run_context
+
+TRAINING_ATTR_PREFIX = "training."
+SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
+
+
+def step_trace_id(run_id: str, step: int) -> int:
+    """The trace id every rank gives its ``step`` span: derived from (run id, step), never zero."""
+    digest = hashlib.sha256(f"{run_id}\x00{step}".encode()).digest()
+    return int.from_bytes(digest[:16], "big") or 1
+
+
+class StepTraceIdGenerator(RandomIdGenerator):
+    """Random ids, except for a trace id requested for the next root span started on this thread."""
+
+    def __init__(self) -> None:
+        self._next = threading.local()
+
+    def request_trace_id(self, trace_id: int) -> None:
+        self._next.trace_id = trace_id
+
+    def generate_trace_id(self) -> int:
+        trace_id = getattr(self._next, "trace_id", None)
+        if trace_id is None:
+            return super().generate_trace_id()
+        self._next.trace_id = None
+        return trace_id
+
+
+class TrainingContextProcessor(SpanProcessor):
+    """Copies the step context onto spans as ``training.*`` attributes, for OTLP and custom sinks."""
+
+    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
+        state = step_context.current()
+        if state.step is not None:
+            span.set_attribute(S.ATTR_STEP, state.step)
+            span.set_attribute(S.ATTR_RELATIVE_STEP, state.relative_step)
+        if state.epoch is not None:
+            span.set_attribute(S.ATTR_EPOCH, state.epoch)
+        if state.iteration is not None:
+            span.set_attribute(S.ATTR_ITERATION, state.iteration)
+        if state.tags:
+            span.set_attribute(S.ATTR_TAGS, list(state.tags))
+
+
+class _Runtime:
+    """Everything one ``init`` built, so ``shutdown`` can take it down in order."""
+
+    def __init__(self, settings: Settings, ctx: RunContext) -> None:
+        self.settings = settings
+        self.ctx = ctx
+        self.pid = os.getpid()
+        self.provider: TracerProvider | None = None
+        self.jsonl: JsonlSpanProcessor | None = None
+        self.writer: RotatingFileWriter | None = None
+        self.batch_processors: list[BoundedBatchSpanProcessor] = []
+        self.other_processors: list[SpanProcessor] = []
+        self.record_handlers: list[Any] = []
+        self.undo: list[Any] = []  # uninstallers for hooks, run in reverse at shutdown
+        self.file_path: str | None = None
+
+
+_lock = threading.RLock()
+_active: _Runtime | None = None
+_process_hooks_installed = False
+
+
+def is_enabled() -> bool:
+    """Whether tracing is active in this process."""
+    return _active is not None
+
+
+def current_settings() -> Settings | None:
+    """The settings of the active runtime, or None when tracing is off."""
+    rt = _active
+    return rt.settings if rt is not None else None
+
+
+def trace_file() -> str | None:
+    """Path of this process's active JSONL file, or None."""
+    rt = _active
+    return rt.file_path if rt is not None else None
+
+
+def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, Any] | None = None,
+         **overrides: Any) -> None:
+    """Start tracing for this process (see CONTRACT.md). Raises ConfigError before training starts."""
+    global _active
+    with _lock:
+        if _active is not None:
+            raise ConfigError("otel_train.init() was already called in this process; "
+                              "call otel_train.shutdown() before initialising again")
+        settings = resolve_settings(save_path=None if save_path is None else os.fspath(save_path),
+                                    config=config, overrides=overrides)
+        if not settings.enabled:
+            return
+        ctx = detect_run_context(settings)
+        rt = _Runtime(settings, ctx)
+        try:
+            _build(rt)
+        except BaseException:
+            _teardown_partial(rt)
+            raise
+        _active = rt
+        _install_process_hooks()
+        _start_lifecycle(rt)
+
+
+def _build(rt: _Runtime) -> None:
+    settings, ctx = rt.settings, rt.ctx
+    exporters = settings.traces_exporter
+    id_generator = StepTraceIdGenerator()
+    rt.provider = provider = TracerProvider(
+        sampler=ALWAYS_ON,  # sampling thins OTLP only: the JSONL file keeps every span
+        resource=build_resource(ctx),
+        id_generator=id_generator,
+        shutdown_on_exit=False,
+    )
+    log_dir = Path(settings.save_path or ".") / S.STRUCTURED_LOGS_DIR
+    run_kwargs = dict(
+        rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, attempt=ctx.attempt,
+        job_id=ctx.job_id, run_id=ctx.run_id, source=ctx.source, host=ctx.host, pid=ctx.pid,
+        save_path=settings.save_path, log_dir=str(log_dir), settings=settings, resource=provider.resource,
+        tracer_provider=provider,
+    )
+    handlers = load_handlers(settings.handlers, run_kwargs)
+    rt.record_handlers = handlers.record_handlers
+    rt.batch_processors = build_span_processors(tuple(n for n in exporters if n != "jsonl"))
+    rt.batch_processors += [BoundedBatchSpanProcessor(exporter) for exporter in handlers.exporters]
+    rt.other_processors = handlers.processors
+    has_others = bool(rt.batch_processors or rt.other_processors)
+
+    if "jsonl" in exporters:
+        rt.writer = _open_writer(settings, ctx, log_dir)
+        rt.file_path = rt.writer.path
+    if rt.writer is not None or rt.record_handlers:
+        encoder = RecordEncoder(_static_fields(ctx), skip_attr_prefix=TRAINING_ATTR_PREFIX if has_others else None)
+        rt.jsonl = JsonlSpanProcessor(
+            rt.writer, encoder, caller=CallerFinder(_library_dirs()),
+            record_handlers=[h.on_record for h in rt.record_handlers],
+        )
+        provider.add_span_processor(rt.jsonl)
+    if has_others:
+        provider.add_span_processor(TrainingContextProcessor())
+    for processor in rt.other_processors + rt.batch_processors:
+        provider.add_span_processor(processor)
+
+    tracer = provider.get_tracer("otel_train", __version__)
+    start_step = None
+    if settings.trace_per_step and ctx.run_id_known:
+        start_step = _step_span_starter(tracer, id_generator, ctx.run_id)
+    point = rt.jsonl.point if rt.jsonl is not None else _no_point
+    api._tracing = api.Tracing(tracer, start_step, point, add_event=has_others)
+
+
+def _no_point(kind: str, name: str, payload_key: str, payload: Mapping[str, Any] | None) -> None:
+    return None
+
+
+def _step_span_starter(tracer: trace.Tracer, ids: StepTraceIdGenerator, run_id: str) -> Any:
+    empty = Context()
+
+    def start_step_span(attrs: Mapping[str, Any] | None) -> trace.Span:
+        step = step_context.current().step
+        if step is None:
+            return tracer.start_span(STEP, attributes=attrs)
+        # A root span in a trace every rank shares for this step; link to what encloses it, if anything.
+        outer = trace.get_current_span().get_span_context()
+        links = [Link(outer)] if outer.is_valid else None
+        ids.request_trace_id(step_trace_id(run_id, step))
+        return tracer.start_span(STEP, context=empty, attributes=attrs, links=links)
+
+    return start_step_span
+
+
+def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> RotatingFileWriter:
+    name = S.trace_file_name(ctx.source, ctx.rank, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        return RotatingFileWriter(
+            log_dir / name,
+            max_bytes=max(1, int(settings.max_file_size_mb * 1024 * 1024)),
+            backup_count=settings.backup_count,
+            fsync=settings.fsync,
+        )
+    except OSError as exc:
+        raise ConfigError(f"cannot write trace files in {log_dir}: {exc.strerror or exc}; "
+                          "set save_path (OTEL_TRAIN_SAVE_PATH) to a writable directory") from exc
+
+
+def _static_fields(ctx: RunContext) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        S.RANK: ctx.rank, S.LOCAL_RANK: ctx.local_rank, S.WORLD_SIZE: ctx.world_size,
+        S.HOST: ctx.host, S.PID: ctx.pid, S.ATTEMPT: ctx.attempt, S.RUN_ID: ctx.run_id, S.SOURCE: ctx.source,
+    }
+    if ctx.job_id is not None:
+        fields[S.JOB_ID] = ctx.job_id
+    return fields
+
+
+def _library_dirs() -> tuple[str, ...]:
+    # Frames in these packages are skipped when finding the user's caller.
+    dirs = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(trace.__file__))]
+    exporters_dir = os.path.dirname(os.path.dirname(os.path.abspath(JsonlSpanProcessor.__module__ and
+                                                                      sys.modules[JsonlSpanProcessor.__module__].__file__)))
+    dirs.append(exporters_dir)
+    for name in ("torch", "lightning", "pytorch_lightning", "transformers", "accelerate"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "__file__", None):
+            dirs.append(os.path.dirname(module.__file__))
+    return tuple(dirs)
+
+
+def _start_lifecycle(rt: _Runtime) -> None:
+    from otel_train import lifecycle, logbridge
+    from otel_train.telemetry import TelemetrySampler
+
+    settings = rt.settings
+    if rt.jsonl is not None:
+        rt.jsonl.point(S.INSTANT, S.INSTANT_PROCESS_START, S.ATTRS, lifecycle.process_start_attrs(settings, rt.ctx))
+    rt.undo.append(lifecycle.install_exception_hooks())
+    if settings.log_bridge:
+        rt.undo.append(logbridge.install(settings.log_level))
+    if settings.telemetry_every > 0:
+        sampler = TelemetrySampler(settings.telemetry_sources, settings.telemetry_every)
+        step_context.step_listeners.append(sampler.on_step)
+
+        def remove_sampler() -> None:
+            if sampler.on_step in step_context.step_listeners:
+                step_context.step_listeners.remove(sampler.on_step)
+            sampler.close()
+
+        rt.undo.append(remove_sampler)
+
+
+def shutdown(timeout_s: float = 5.0) -> None:
+    """End still-open spans as incomplete, flush and close everything; returns within ``timeout_s``."""
+    global _active
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    with _lock:
+        rt = _active
+        if rt is None:
+            return
+        _active = None
+        api._tracing = None  # new calls are no-ops from here on; in-flight spans are ended below
+        for undo in reversed(rt.undo):
+            _quietly(undo)
+        jsonl = rt.jsonl
+        incomplete = jsonl.end_open_spans() if jsonl is not None else 0
+        dropped = 0
+        for processor in rt.batch_processors:
+            _quietly(processor.shutdown, max(0.0, deadline - time.monotonic()))
+            dropped += processor.dropped
+        for processor in rt.other_processors:
+            _quietly(processor.shutdown)
+        if dropped:
+            print(f"otel-train: {dropped} span(s) could not be exported (collector unreachable or queue full); "
+                  "the JSONL file has them all", file=sys.stderr)
+        if jsonl is not None:
+            if dropped:
+                jsonl.point(S.INSTANT, S.INSTANT_SPANS_DROPPED, S.ATTRS, {"count": dropped})
+            writer = rt.writer
+            if writer is not None and writer.errors:
+                jsonl.point(S.INSTANT, S.INSTANT_WRITE_ERRORS, S.ATTRS,
+                            {"count": writer.errors, "dropped_bytes": writer.dropped_bytes})
+            jsonl.point(S.INSTANT, S.INSTANT_PROCESS_END, S.ATTRS, {
+                "records": jsonl.records_written + 1,
+                "incomplete_spans": incomplete,
+                "spans_dropped": dropped,
+                "write_errors": writer.errors if writer is not None else 0,
+            })
+            jsonl.shutdown()
+        for handler in rt.record_handlers:
+            if callable(getattr(handler, "shutdown", None)):
+                _quietly(handler.shutdown)
+
+
+def _teardown_partial(rt: _Runtime) -> None:
+    api._tracing = None
+    for processor in rt.batch_processors:
+        _quietly(processor.shutdown, 0.5)
+    if rt.writer is not None:
+        rt.writer.close()
+
+
+def _quietly(fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:  # shutdown must finish whatever one part does
+        print(f"otel-train: during shutdown: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+# Process lifecycle: exit, SIGTERM, fork.
+
+def _install_process_hooks() -> None:
+    global _process_hooks_installed
+    if _process_hooks_installed:
+        return
+    _process_hooks_installed = True
+    atexit.register(shutdown)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    if threading.current_thread() is threading.main_thread():
+        _chain_sigterm()
+
+
+def _chain_sigterm() -> None:
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        shutdown(SIGTERM_SHUTDOWN_TIMEOUT_S)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            # Die of SIGTERM as we would have without us, so launchers see the same exit status.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except (ValueError, OSError):  # not the main thread of the main interpreter
+        pass
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (DataLoader worker, multiprocessing) must never write into its parent's file:
+    # it traces nothing until it calls init() itself, which opens a file of its own.
+    global _active
+    _active = None
+    api._tracing = None
+    step_context.step_listeners.clear()
