@@ -1,36 +1,25 @@
-"""The ``otel-train`` command line: parses arguments, calls ``otel_train.analysis``, prints."""
+"""The ``otel-train`` command line: parses arguments, calls ``otel_train.analysis``, prints.
+
+Each command lives in its own module (``otel_train/cli/<command>.py``) as one function decorated
+with ``@app.command()`` where ``app`` comes from ``otel_train.cli._app``; importing the module
+registers it.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import importlib
 
-import typer
+from otel_train.cli._app import app
 
-from otel_train._version import __version__
+COMMANDS = ("summarize", "export", "stats", "push")
 
-app = typer.Typer(
-    name="otel-train",
-    help="Summarize, export and inspect otel-train trace files.",
-    no_args_is_help=True,
-    add_completion=False,
-)
-
-
-def _version(value: bool) -> None:
-    if value:
-        typer.echo(f"otel-train {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: Optional[bool] = typer.Option(
-        None, "--version", callback=_version, is_eager=True, help="Print the version and exit."
-    ),
-) -> None:
-    """otel-train: which rank, at which step, in which phase."""
+for _name in COMMANDS:
+    importlib.import_module(f"{__name__}.{_name}")
 
 
 def main() -> None:
     """Console-script entry point."""
     app()
+
+
+__all__ = ["app", "main"]

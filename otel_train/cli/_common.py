@@ -1,0 +1,104 @@
+"""Plumbing every command shares: errors as one line, warnings and progress on stderr, JSON on stdout.
+
+Exit codes: 0 ok; 2 the path holds no trace files (or is not a directory); 1 anything else (a
+one-line ``error:`` message, never a traceback).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NoReturn
+
+import msgspec
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from otel_train.analysis.digest import Run, load_run
+from otel_train.analysis.reader import TraceReadError, find_process_files
+
+EXIT_NO_TRACES = 2
+EXIT_FAILURE = 1
+
+stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+"""Where warnings, errors and the progress bar go (stdout stays clean for --json and pipes)."""
+
+
+def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
+    """Print ``error: message`` as one line on stderr and exit with ``code``."""
+    stderr.print(f"error: {' '.join(message.split())}", markup=False)
+    raise typer.Exit(code)
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr (goes above a running progress bar)."""
+    stderr.print(message, markup=False)
+
+
+@contextmanager
+def cli_errors() -> Iterator[None]:
+    """Run a command body: TraceReadError exits 2, other failures exit 1, each with one line."""
+    try:
+        yield
+    except (typer.Exit, typer.Abort, SystemExit):
+        raise
+    except TraceReadError as exc:
+        fail(str(exc), EXIT_NO_TRACES)
+    except BrokenPipeError:
+        # Output piped into `head` and closed early: not an error worth a message.
+        sys.stderr.close()
+        raise typer.Exit(0) from None
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        fail(f"{where}{exc.strerror or exc}", EXIT_FAILURE)
+    except Exception as exc:  # noqa: BLE001 - the CLI promises one line, never a traceback
+        fail(f"{type(exc).__name__}: {exc}", EXIT_FAILURE)
+
+
+@contextmanager
+def byte_progress(path: str | Path, label: str) -> Iterator[Callable[[int], None] | None]:
+    """A progress callback (bytes read) drawing a bar on stderr when it is a terminal; else None.
+
+    Raises TraceReadError first when ``path`` holds no trace files.
+    """
+    total = sum(pf.size for pf in find_process_files(path))
+    if not stderr.is_terminal:
+        yield None
+        return
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=stderr, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def load(path: str | Path, label: str = "reading") -> Run:
+    """Digest the run at ``path`` with progress and warnings on stderr; reports skipped lines."""
+    with byte_progress(path, label) as progress:
+        run = load_run(path, warn=warn, progress=progress)
+    note_malformed(run.malformed_lines)
+    return run
+
+
+def note_malformed(count: int) -> None:
+    """Say how many bad lines were skipped in total, if any."""
+    if count:
+        warn(f"warning: skipped {count} malformed line{'s' if count != 1 else ''} in total")
+
+
+def print_json(obj: Any) -> None:
+    """Write ``obj`` as indented JSON on stdout (NaN and infinities become null)."""
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode())
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+
+
+def fmt_ms(value: float | None) -> str:
+    """Milliseconds for tables: 3 significant places, '-' when unknown."""
+    if value is None or value != value:
+        return "-"
+    return f"{value:.3g}" if value < 100 else f"{value:.0f}"

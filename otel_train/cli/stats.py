@@ -1,0 +1,101 @@
+"""``otel-train stats PATH [--json] [--csv FILE]``: phase statistics, step breakdown, straggler scores."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from otel_train.analysis.stats import compute_stats, median
+from otel_train.cli._app import app
+from otel_train.cli._common import cli_errors, fmt_ms, load, print_json, warn
+
+SLOWEST_STEPS_SHOWN = 10
+
+
+@app.command()
+def stats(
+    path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print all statistics as one JSON object."),
+    csv_file: Optional[Path] = typer.Option(
+        None, "--csv", help="Also write the per-step, per-rank breakdown (with idle time) to this CSV file."
+    ),
+) -> None:
+    """Per phase x rank timings, per-step breakdown with idle time, straggler scores vs. peers."""
+    with cli_errors():
+        result = compute_stats(load(path))
+        if csv_file is not None:
+            write_steps_csv(result["steps"], csv_file)
+            warn(f"wrote {len(result['steps'])} step rows to {csv_file}")
+        if as_json:
+            print_json(result)
+        else:
+            _render(result, Console())
+
+
+def write_steps_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    """One row per (rank, attempt, step): step_ms, idle_ms and one ``<phase>_ms`` column per phase."""
+    phases: list[str] = []
+    for row in rows:
+        phases.extend(p for p in row["phases"] if p not in phases)
+    header = ["source", "rank", "attempt", "step", "step_ms", "idle_ms", *(f"{p}_ms" for p in phases)]
+    with path.open("w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(header)
+        for row in rows:
+            out.writerow(
+                [row["source"], row["rank"], row["attempt"], row["step"], row["step_ms"], row["idle_ms"],
+                 *(row["phases"].get(p, "") for p in phases)]
+            )
+
+
+def _render(result: dict[str, Any], out: Console) -> None:
+    table = Table(title="Phases per rank (ms)", title_justify="left")
+    for col in ("phase", "rank", "att", "count", "mean", "p50", "p95", "max"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for r in result["phases"]:
+        table.add_row(
+            r["name"], str(r["rank"]), str(r["attempt"]), str(r["count"]), fmt_ms(r["mean_ms"]),
+            fmt_ms(r["p50_ms"]), fmt_ms(r["p95_ms"]), fmt_ms(r["max_ms"]),
+        )
+    out.print(table)
+
+    steps = result["steps"]
+    if steps:
+        per_rank: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        for row in steps:
+            per_rank.setdefault((row["rank"], row["attempt"]), []).append(row)
+        idle = Table(title="Steps per rank: median step and idle time (ms)", title_justify="left")
+        for col in ("rank", "att", "steps", "step p50", "idle p50", "idle share"):
+            idle.add_column(col, justify="right")
+        for (rank, attempt), rows in sorted(per_rank.items()):
+            step_ms = median([r["step_ms"] for r in rows])
+            idle_ms = median([r["idle_ms"] for r in rows])
+            share = f"{100 * idle_ms / step_ms:.0f}%" if step_ms else "-"
+            idle.add_row(str(rank), str(attempt), str(len(rows)), fmt_ms(step_ms), fmt_ms(idle_ms), share)
+        out.print(idle)
+        slow = Table(title=f"Slowest {SLOWEST_STEPS_SHOWN} steps (ms)", title_justify="left")
+        for col in ("step", "rank", "att", "step", "idle", "phases"):
+            slow.add_column(col, justify="left" if col == "phases" else "right")
+        for r in sorted(steps, key=lambda r: -r["step_ms"])[:SLOWEST_STEPS_SHOWN]:
+            parts = " ".join(f"{k}={fmt_ms(v)}" for k, v in r["phases"].items())
+            slow.add_row(str(r["step"]), str(r["rank"]), str(r["attempt"]), fmt_ms(r["step_ms"]), fmt_ms(r["idle_ms"]), parts)
+        out.print(slow)
+
+    scores = result["straggler_scores"]
+    if scores:
+        phases = list(dict.fromkeys(s["phase"] for s in scores))
+        by_rank: dict[tuple[int, int], dict[str, float]] = {}
+        for s in scores:
+            by_rank.setdefault((s["rank"], s["attempt"]), {})[s["phase"]] = s["score"]
+        grid = Table(title="Straggler score: own time / peer median, per step (median)", title_justify="left")
+        grid.add_column("rank/att")
+        for p in phases:
+            grid.add_column(p, justify="right")
+        for (rank, attempt), row in sorted(by_rank.items()):
+            grid.add_row(f"{rank}/{attempt}", *(f"{row[p]:.2f}" if p in row else "-" for p in phases))
+        out.print(grid)

@@ -1,0 +1,86 @@
+"""``otel-train summarize PATH [--json]``: where every rank stopped, phase timings, findings."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from otel_train.analysis.summary import summarize_run
+from otel_train.cli._app import app
+from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
+
+
+@app.command()
+def summarize(
+    path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+) -> None:
+    """Which rank stopped where, per-phase timings, and findings (hang, crash, error, straggler, restart)."""
+    with cli_errors():
+        summary = summarize_run(load(path))
+        if as_json:
+            print_json(summary)
+        else:
+            _render(summary, Console())
+
+
+def _ts(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _render(summary: dict[str, Any], out: Console) -> None:
+    findings = summary["findings"]
+    if findings:
+        table = Table(title="Findings", title_justify="left", show_lines=False)
+        for col in ("kind", "rank", "step", "phase", "message"):
+            table.add_column(col, overflow="fold")
+        for f in findings:
+            table.add_row(f["kind"], _s(f["rank"]), _s(f["step"]), _s(f["phase"]), f["message"])
+        out.print(table)
+    else:
+        out.print("Findings: none")
+
+    procs = Table(title="Processes", title_justify="left")
+    for col in ("rank", "att", "host", "pid", "step", "rel", "last event", "last (UTC)", "open spans"):
+        procs.add_column(col, overflow="fold")
+    for p in summary["processes"]:
+        procs.add_row(
+            str(p["rank"]), str(p["attempt"]), _s(p["host"]), _s(p["pid"]), _s(p["final_step"]),
+            _s(p["relative_step"]), _s(p["last_event"]), _ts(p["last_ts"]), " > ".join(p["open_spans"]) or "-",
+        )
+    out.print(procs)
+
+    if summary["unclosed"]:
+        unclosed = Table(title="Unclosed spans", title_justify="left")
+        for col in ("rank", "att", "span", "step", "status", "last phase", "started (UTC)"):
+            unclosed.add_column(col)
+        for u in summary["unclosed"]:
+            unclosed.add_row(
+                str(u["rank"]), str(u["attempt"]), u["name"], _s(u["step"]), u["status"],
+                _s(u["last_phase"]), _ts(u["start_ts"]),
+            )
+        out.print(unclosed)
+
+    phases = Table(title="Phases (ms)", title_justify="left")
+    for col in ("phase", "count", "p50", "p95", "max", "slowest rank/att/step"):
+        phases.add_column(col, justify="right" if col not in ("phase",) else "left")
+    for ph in summary["phases"]:
+        s = ph["slowest"]
+        phases.add_row(
+            ph["name"], str(ph["count"]), fmt_ms(ph["p50_ms"]), fmt_ms(ph["p95_ms"]), fmt_ms(ph["max_ms"]),
+            f"{s['rank']}/{s['attempt']}/{_s(s['step'])}",
+        )
+    out.print(phases)
+    if summary["malformed_lines"]:
+        out.print(f"malformed lines skipped: {summary['malformed_lines']}")
+
+
+def _s(value: object) -> str:
+    return "-" if value is None else str(value)
