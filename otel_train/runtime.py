@@ -34,7 +34,7 @@ from otel_train.errors import ConfigError
 from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
 from otel_train.exporters.jsonl.writer import RotatingFileWriter
-from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors
+from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors, shutdown_processors
 from otel_train.handlers import load_handlers
 from otel_train.phases import STEP
 from otel_train.resource import RunContext, build_resource, detect_run_context
@@ -286,10 +286,8 @@ def shutdown(timeout_s: float = 5.0) -> None:
             _quietly(undo)
         jsonl = rt.jsonl
         incomplete = jsonl.end_open_spans() if jsonl is not None else 0
-        dropped = 0
-        for processor in rt.batch_processors:
-            _quietly(processor.shutdown, max(0.0, deadline - time.monotonic()))
-            dropped += processor.dropped
+        _quietly(shutdown_processors, rt.batch_processors, max(0.0, deadline - time.monotonic()))
+        dropped = sum(processor.dropped for processor in rt.batch_processors)
         for processor in rt.other_processors:
             _quietly(processor.shutdown)
         if dropped:
@@ -316,8 +314,7 @@ def shutdown(timeout_s: float = 5.0) -> None:
 
 def _teardown_partial(rt: _Runtime) -> None:
     api._tracing = None
-    for processor in rt.batch_processors:
-        _quietly(processor.shutdown, 0.5)
+    _quietly(shutdown_processors, rt.batch_processors, 0.5)
     if rt.writer is not None:
         rt.writer.close()
 
