@@ -86,9 +86,10 @@ class _SpanStack(threading.local):
 class _HookSpans:
     """Opens a span in a pre-hook and ends it in the post-hook.
 
-    The hook bodies that touch otel code are wrapped in ``torch.compiler.disable`` so dynamo never
-    traces into them, and they return early while compiling: inside a compiled region the hooks are
-    no-ops (no graph break, ``fullgraph=True`` keeps working)."""
+    Hooks return at once while dynamo traces them, so inside a compiled region they are no-ops: no
+    graph break, ``fullgraph=True`` keeps working, and dynamo never reaches otel code. The bodies that
+    touch otel code are also wrapped in ``torch.compiler.disable`` when dynamo is already loaded
+    (importing it only for that would cost seconds in every eager run)."""
 
     def __init__(self, name: str) -> None:
         import torch
@@ -96,8 +97,11 @@ class _HookSpans:
         self._name = name
         self._stack = _SpanStack()
         self._is_compiling: Callable[[], bool] = torch.compiler.is_compiling
-        self._open = torch.compiler.disable(self._open_span)
-        self._close = torch.compiler.disable(self._close_span)
+        self._open: Callable[[], None] = self._open_span
+        self._close: Callable[..., None] = self._close_span
+        if "torch._dynamo" in sys.modules:
+            self._open = torch.compiler.disable(self._open_span)
+            self._close = torch.compiler.disable(self._close_span)
         self._handles: list[Any] = []
 
     def _open_span(self) -> None:
