@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import sys
 from typing import Any, Callable, Mapping, TypeVar
 
 from opentelemetry import context as otel_context
@@ -174,15 +175,26 @@ def _is_plain_number(value: object) -> bool:
     return type(value).__module__ == "numpy" and hasattr(value, "dtype") and getattr(value, "ndim", 1) == 0
 
 
-def _json_number(value: Any) -> int | float | bool | str | None:
+def _json_number(value: Any) -> int | float | bool | str:
+    # JSON has no NaN/inf; a diverging loss must stay visible, so those become "nan", "inf", "-inf".
     if isinstance(value, bool):
         return value
-    if isinstance(value, int):
+    if isinstance(value, int) or hasattr(value, "__index__"):
         return int(value)
     number = float(value)
     if math.isfinite(number):
         return number
-    return None if math.isnan(number) else ("inf" if number > 0 else "-inf")
+    return "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
+
+
+_reported: set[str] = set()
+
+
+def _report_once(where: str, exc: BaseException) -> None:
+    if where not in _reported:
+        _reported.add(where)
+        print(f"otel-train: {where} failed: {type(exc).__name__}: {exc}; tracing continues (reported once)",
+              file=sys.stderr)
 
 
 def add_step_tag(tag: str) -> None:
@@ -194,7 +206,10 @@ def set_step(step: int, *, epoch: int | None = None, iteration: int | None = Non
     """Set the training context every following record carries."""
     if step_context.set_step(step, epoch, iteration) and _tracing is not None:
         for listener in tuple(step_context.step_listeners):
-            listener(step)
+            try:
+                listener(step)
+            except Exception as exc:  # a telemetry source failing must not stop training
+                _report_once(f"step listener {getattr(listener, '__qualname__', listener)!r}", exc)
 
 
 def training_step(step: int, *, epoch: int | None = None, iteration: int | None = None) -> _Span:

@@ -310,6 +310,7 @@ def shutdown(timeout_s: float = 5.0) -> None:
         for handler in rt.record_handlers:
             if callable(getattr(handler, "shutdown", None)):
                 _quietly(handler.shutdown)
+        step_context.reset()  # a later init() is a new session: relative steps count afresh
 
 
 def _teardown_partial(rt: _Runtime) -> None:
