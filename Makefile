@@ -1,0 +1,56 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv if missing and install the package with every extra. torch is pinned to the
+# CPU wheel (2.13.0): an unpinned torch would pull a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+TORCH  := torch==2.13.0
+STAMP  := $(VENV)/.installed
+DEMO   := runs/demo
+
+.PHONY: install demo test bench chromium phoenix clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[torch,lightning,transformers,telemetry,analysis,dev]' $(TORCH)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian's chromium drives the real Perfetto UI in tests/test_perfetto_ui.py.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian chromium for the Perfetto UI test"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  || echo "warning: could not install chromium; the Perfetto UI test will skip"; }
+
+# Arize Phoenix (a real OTLP backend) lives in its own venv: it is large.
+phoenix:
+	@bash scripts/phoenix-venv.sh || echo "warning: could not install Phoenix; its tests will skip"
+
+demo: install
+	rm -rf $(DEMO)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=4 examples/train_ddp.py --save-path $(DEMO)
+	$(BIN)/otel-train summarize $(DEMO)
+	$(BIN)/otel-train export $(DEMO)
+	@echo
+	@echo "Trace files:     $(DEMO)/structured_logs/"
+	@ls -l $(DEMO)/structured_logs/
+	@echo "Perfetto trace:  $(DEMO)/analysis/structured_trace.json"
+	@echo "Open it at https://ui.perfetto.dev (Open trace file), or offline: $(BIN)/vizviewer $(DEMO)/analysis/structured_trace.json"
+
+test: install chromium phoenix
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python benchmarks/span_overhead.py
+	$(BIN)/python benchmarks/train_overhead.py
+	$(BIN)/python benchmarks/analysis_throughput.py
+
+clean:
+	rm -rf runs build dist *.egg-info .pytest_cache
