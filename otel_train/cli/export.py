@@ -1,0 +1,71 @@
+"""``otel-train export PATH [--output FILE] [--format chrome|perfetto] [--ranks 0,3-5] [--steps 100-200]``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from otel_train.analysis.chrome import FORMATS, export_trace
+from otel_train.analysis.reader import Reader
+from otel_train.cli._app import app
+from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
+
+
+def parse_ranks(text: str) -> set[int]:
+    """``0,3-5`` -> {0, 3, 4, 5}; raises ValueError with a one-line reason."""
+    ranks: set[int] = set()
+    for part in text.split(","):
+        lo, hi = _range(part.strip(), "--ranks", "0,3-5")
+        ranks.update(range(lo, hi + 1))
+    return ranks
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``100-200`` -> (100, 200) inclusive; ``7`` -> (7, 7); raises ValueError with a one-line reason."""
+    return _range(text.strip(), "--steps", "100-200")
+
+
+def _range(part: str, option: str, example: str) -> tuple[int, int]:
+    lo_s, sep, hi_s = part.partition("-")
+    try:
+        lo = int(lo_s)
+        hi = int(hi_s) if sep else lo
+    except ValueError:
+        raise ValueError(f"{option} {part!r}: expected numbers and ranges like {example}") from None
+    if lo < 0 or hi < lo:
+        raise ValueError(f"{option} {part!r}: a range must be low-high with 0 <= low <= high, like {example}")
+    return lo, hi
+
+
+@app.command()
+def export(
+    path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
+    output: Optional[Path] = typer.Option(
+        None, "--output", "-o",
+        help="Output file (default <run>/analysis/structured_trace.json, .pftrace for perfetto).",
+    ),
+    fmt: str = typer.Option("chrome", "--format", "-f", help="chrome (JSON) or perfetto (protobuf, for big runs)."),
+    ranks: Optional[str] = typer.Option(None, "--ranks", help="Only these ranks, e.g. 0,3-5."),
+    steps: Optional[str] = typer.Option(None, "--steps", help="Only these steps (inclusive), e.g. 100-200."),
+) -> None:
+    """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
+    with cli_errors():
+        if fmt not in FORMATS:
+            fail(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+        try:
+            rank_set = parse_ranks(ranks) if ranks is not None else None
+            step_range = parse_steps(steps) if steps is not None else None
+        except ValueError as exc:
+            fail(str(exc))
+        with byte_progress(path, "exporting") as progress:
+            reader = Reader(warn=warn, progress=progress)
+            result = export_trace(path, output, fmt=fmt, ranks=rank_set, steps=step_range, reader=reader)
+        note_malformed(result.malformed_lines)
+        if result.processes == 0:
+            warn("warning: no process matched --ranks; the trace is empty")
+        typer.echo(
+            f"wrote {result.output}: {result.processes} processes, {result.slices} slices, "
+            f"{result.instants} instants, {result.counters} counter samples"
+        )
