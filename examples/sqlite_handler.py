@@ -1,8 +1,8 @@
 """A custom record handler: every otel-train record of this rank, streamed into a SQLite database.
 
-Attach it without touching the training script::
+Attach it without touching the training script (from the repository root, so ``examples`` imports)::
 
-    OTEL_TRAIN_HANDLERS=examples.sqlite_handler:sqlite_records python train.py
+    PYTHONPATH=. OTEL_TRAIN_HANDLERS=examples.sqlite_handler:sqlite_records python examples/train_ddp.py
 
 or in code: ``ot.init(save_path, enabled=True, handlers=[sqlite_records])``. Each rank writes
 ``<save_path>/structured_logs/records.rank<rank>.sqlite`` (table ``records``), next to its JSONL file.
