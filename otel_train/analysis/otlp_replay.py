@@ -131,9 +131,10 @@ class ProcessMeta:
             job_id=rec.get(schema.JOB_ID),
         )
 
-    def resource(self, service_name: str) -> Resource:
-        """The OTLP resource: the runtime's resource attribute keys (``otel_train.schema.RES_*``)."""
+    def resource(self, service_name: str, extra: Mapping[str, Any] | None = None) -> Resource:
+        """The OTLP resource: ``extra`` (e.g. OTEL_RESOURCE_ATTRIBUTES) < the runtime's keys (``schema.RES_*``)."""
         attrs = {
+            **(extra or {}),
             schema.RES_SERVICE_NAME: service_name,
             schema.RES_HOST: self.host,
             schema.RES_PID: self.pid,
@@ -325,8 +326,14 @@ def _span_from(rec: Mapping[str, Any], start_ts: float) -> Span:
 class RequestBatcher:
     """Groups OTLP spans per process resource into ``ExportTraceServiceRequest``s of at most ``max_spans``."""
 
-    def __init__(self, service_name: str, max_spans: int = DEFAULT_BATCH_SPANS) -> None:
+    def __init__(
+        self,
+        service_name: str,
+        max_spans: int = DEFAULT_BATCH_SPANS,
+        extra_resource: Mapping[str, Any] | None = None,
+    ) -> None:
         self.service_name = service_name
+        self.extra_resource = dict(extra_resource or {})
         self.max_spans = max(1, max_spans)
         self._request = ExportTraceServiceRequest()
         self._scopes: dict[ProcessMeta, ScopeSpans] = {}
@@ -338,7 +345,7 @@ class RequestBatcher:
         for span in spans:
             scope = self._scopes.get(meta)
             if scope is None:
-                rs = self._request.resource_spans.add(resource=meta.resource(self.service_name))
+                rs = self._request.resource_spans.add(resource=meta.resource(self.service_name, self.extra_resource))
                 scope = rs.scope_spans.add(scope=InstrumentationScope(name=SCOPE_NAME, version=__version__))
                 self._scopes[meta] = scope
             scope.spans.append(span)
@@ -572,12 +579,13 @@ def replay(
     *,
     service_name: str = DEFAULT_SERVICE_NAME,
     batch_spans: int = DEFAULT_BATCH_SPANS,
+    extra_resource: Mapping[str, Any] | None = None,
     reader: Reader | None = None,
     on_spans: Callable[[int], None] | None = None,
 ) -> ReplayStats:
     """Send every span of a run (closed, incomplete and open ones) in batches; raises TraceReadError, PushError."""
     stats = ReplayStats()
-    batcher = RequestBatcher(service_name, batch_spans)
+    batcher = RequestBatcher(service_name, batch_spans, extra_resource)
 
     def ship(request: ExportTraceServiceRequest) -> None:
         n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
@@ -690,6 +698,7 @@ def follow(
     *,
     service_name: str = DEFAULT_SERVICE_NAME,
     batch_spans: int = DEFAULT_BATCH_SPANS,
+    extra_resource: Mapping[str, Any] | None = None,
     poll_s: float = 0.5,
     idle_exit_s: float | None = None,
     should_stop: Callable[[], bool] = lambda: False,
@@ -705,7 +714,7 @@ def follow(
     stats = ReplayStats()
     tailer = RunTailer(path, warn or _warn_stderr)
     assemblers: dict[tuple[str, int, str], SpanAssembler] = {}
-    batcher = RequestBatcher(service_name, batch_spans)
+    batcher = RequestBatcher(service_name, batch_spans, extra_resource)
 
     def ship(request: ExportTraceServiceRequest) -> None:
         n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
@@ -773,6 +782,7 @@ def export_otlp_json(
     steps: tuple[int, int] | None = None,
     reader: Reader | None = None,
     service_name: str = DEFAULT_SERVICE_NAME,
+    extra_resource: Mapping[str, Any] | None = None,
 ) -> int:
     """Write the run as one OTLP/JSON ``ExportTraceServiceRequest`` (Jaeger UI: Upload JSON); returns spans written.
 
@@ -787,7 +797,7 @@ def export_otlp_json(
         f.write('{"resourceSpans": [')
         first = True
         for meta, spans in iter_process_spans(path, reader or Reader(), stats, ranks=ranks, steps=steps):
-            batcher = RequestBatcher(service_name, max_spans=len(spans) + 1)
+            batcher = RequestBatcher(service_name, len(spans) + 1, extra_resource)
             batcher.add(meta, spans)
             written += len(spans)
             for rs in request_to_otlp_json(batcher.take()).get("resourceSpans", []):

@@ -19,6 +19,7 @@ from otel_train.analysis.otlp_replay import (
     PROTOCOLS,
     PushError,
     ReplayStats,
+    Sender,
     follow,
     make_sender,
     parse_headers,
@@ -69,8 +70,8 @@ def push(
     protocol: str = typer.Option("grpc", "--protocol", help=f"One of: {', '.join(PROTOCOLS)}."),
     header: List[str] = typer.Option([], "--header", help="Request header KEY=VALUE (repeatable); defaults to "
                                      "OTEL_EXPORTER_OTLP_HEADERS. Never printed."),
-    service_name: str = typer.Option(os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
-                                     "--service-name", help="service.name of the pushed spans."),
+    service_name: str = typer.Option(DEFAULT_SERVICE_NAME, "--service-name", envvar="OTEL_SERVICE_NAME",
+                                     help="service.name of the pushed spans."),
     batch_spans: int = typer.Option(DEFAULT_BATCH_SPANS, "--batch-spans", min=1, help="Spans per request."),
     timeout_s: float = typer.Option(10.0, "--timeout", min=0.1, help="Seconds per request attempt."),
     follow_: bool = typer.Option(False, "--follow", help="Tail the live run and send spans as they end."),
@@ -81,6 +82,8 @@ def push(
 ) -> None:
     """Send a run's spans (closed, incomplete and open ones, original ids) to an OTLP endpoint.
 
+    Resources are rebuilt per process from the records, plus OTEL_RESOURCE_ATTRIBUTES.
+
     Instants become span events on their enclosing span; scalars are skipped. Re-running sends the
     same ids again: backends that key spans by id keep one copy.
     """
@@ -88,17 +91,18 @@ def push(
         raise _fail("--idle-exit only applies with --follow")
     try:
         headers = parse_headers(header or [os.environ.get("OTEL_EXPORTER_OTLP_HEADERS", "")])
+        extra = parse_headers([os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "")])
         sender = make_sender(endpoint, protocol, headers, timeout_s)
     except PushError as exc:
         raise _fail(str(exc)) from None
     try:
         if follow_:
-            stats = _follow(path, sender, service_name, batch_spans, poll, idle_exit)
+            stats = _follow(path, sender, service_name, extra, batch_spans, poll, idle_exit)
         else:
             processes = len(find_process_files(path))
             with _progress(processes, sys.stderr.isatty()) as advance:
                 stats = replay(path, sender, service_name=service_name, batch_spans=batch_spans,
-                               reader=Reader(), on_spans=advance)
+                               extra_resource=extra, reader=Reader(), on_spans=advance)
     except (TraceReadError, PushError) as exc:
         raise _fail(str(exc)) from None
     finally:
@@ -106,14 +110,14 @@ def push(
     _report(stats, endpoint)
 
 
-def _follow(path: Path, sender, service_name: str, batch_spans: int, poll: float,
-            idle_exit: Optional[float]) -> ReplayStats:
+def _follow(path: Path, sender: Sender, service_name: str, extra: dict[str, str], batch_spans: int,
+            poll: float, idle_exit: Optional[float]) -> ReplayStats:
     if not path.is_dir():
         raise TraceReadError(f"{path}: no such directory; pass a run directory or its structured_logs/")
     with _stop_on_signals() as stop:
         typer.echo(f"following {path} -> {_shown(sender.endpoint)} (Ctrl-C to stop)", err=True)
-        return follow(path, sender, service_name=service_name, batch_spans=batch_spans, poll_s=poll,
-                      idle_exit_s=idle_exit, should_stop=stop.is_set)
+        return follow(path, sender, service_name=service_name, batch_spans=batch_spans, extra_resource=extra,
+                      poll_s=poll, idle_exit_s=idle_exit, should_stop=stop.is_set)
 
 
 def _shown(endpoint: str) -> str:
