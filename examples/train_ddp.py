@@ -1,0 +1,219 @@
+"""A small DDP training run, fully traced, with injectable faults (slow rank, hang, exception).
+
+    torchrun --standalone --nproc_per_node=4 examples/train_ddp.py --save-path runs/demo
+    otel-train summarize runs/demo
+
+Faults (all off by default):
+    --slow-rank 2 --slow-phase data_fetch --slow-ms 200    rank 2 is 200 ms slower in that phase
+    --hang-rank 1 --hang-step 12 --hang-phase forward      rank 1 sleeps forever in forward at step 12;
+                                                          peers block in the next collective until the
+                                                          --timeout-s collective timeout ends the run
+    --fail-rank 3 --fail-step 8                            rank 3 raises in forward at step 8
+
+Uses gloo on CPU and nccl (one GPU per local rank) when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import otel_train as ot
+from otel_train import phases
+from otel_train import torch as ott
+
+log = logging.getLogger("train_ddp")
+
+FAULT_PHASES = (phases.DATA_FETCH, phases.FORWARD, phases.BACKWARD, phases.OPTIMIZER, phases.CHECKPOINT, phases.EVAL)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--save-path", default="runs/demo", help="run directory (trace files, checkpoints)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--batch-size", type=int, default=64, help="per rank")
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    p.add_argument("--checkpoint-every", type=int, default=10, help="0: never")
+    p.add_argument("--eval-every", type=int, default=15, help="0: only at the end")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="collective timeout (ends a hang)")
+    p.add_argument("--no-trace", action="store_true", help="run without otel-train")
+    p.add_argument("--slow-rank", type=int)
+    p.add_argument("--slow-phase", choices=FAULT_PHASES, default=phases.DATA_FETCH)
+    p.add_argument("--slow-ms", type=float, default=200.0)
+    p.add_argument("--hang-rank", type=int)
+    p.add_argument("--hang-step", type=int, default=10)
+    p.add_argument("--hang-phase", choices=FAULT_PHASES, default=phases.FORWARD)
+    p.add_argument("--fail-rank", type=int)
+    p.add_argument("--fail-step", type=int, default=5)
+    return p.parse_args(argv)
+
+
+class Faults:
+    """Where and when this rank misbehaves; ``inject(phase)`` runs inside that phase's span."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.args = args
+        self.rank = rank
+        self.step = -1
+
+    def active(self, phase: str) -> bool:
+        """Whether any fault targets ``phase`` on this rank (no hooks or checks otherwise)."""
+        a = self.args
+        return (a.slow_rank == self.rank and a.slow_phase == phase) or (
+            a.hang_rank == self.rank and a.hang_phase == phase
+        ) or (a.fail_rank == self.rank and phase == phases.FORWARD)
+
+    def inject(self, phase: str) -> None:
+        a = self.args
+        if a.slow_rank == self.rank and a.slow_phase == phase:
+            time.sleep(a.slow_ms / 1000.0)
+        if a.hang_rank == self.rank and a.hang_step == self.step and a.hang_phase == phase:
+            log.warning("injected hang: rank %d sleeps forever in %s at step %d", self.rank, phase, self.step)
+            while True:
+                time.sleep(3600)
+        if a.fail_rank == self.rank and a.fail_step == self.step and phase == phases.FORWARD:
+            raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+class Net(nn.Module):
+    def __init__(self, features: int, hidden: int, classes: int, faults: Faults) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes)
+        )
+        self.faults = faults
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.faults.active(phases.FORWARD):
+            self.faults.inject(phases.FORWARD)
+        out = self.body(x)
+        if out.requires_grad and self.faults.active(phases.BACKWARD):  # runs inside the backward span
+            out.register_hook(lambda grad: self.faults.inject(phases.BACKWARD))
+        return out
+
+
+class FaultyIterable:
+    """Wraps the loader so a data_fetch fault happens inside the fetch (inside traced()'s span)."""
+
+    def __init__(self, loader: DataLoader, faults: Faults) -> None:
+        self.loader = loader
+        self.faults = faults
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            self.faults.inject(phases.DATA_FETCH)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+
+def synthetic_data(samples: int, features: int, classes: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, features, generator=g)
+    w = torch.randn(features, classes, generator=g)
+    return TensorDataset(x, (x @ w).argmax(dim=1))
+
+
+def evaluate(model: nn.Module, data: TensorDataset, device: torch.device, faults: Faults) -> float:
+    with ot.log_trace_span(phases.EVAL):
+        faults.inject(phases.EVAL)
+        model.eval()
+        with torch.no_grad():
+            x, y = (t.to(device) for t in data.tensors)
+            loss = nn.functional.cross_entropy(model(x), y, reduction="sum")
+            totals = torch.stack([loss, torch.tensor(float(len(y)), device=device)])
+            dist.all_reduce(totals)
+        model.train()
+        mean = (totals[0] / totals[1]).item()  # an explicit sync, fine once per eval
+    ot.log_trace_scalar({"eval_loss": mean})
+    return mean
+
+
+def save_checkpoint(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, path: Path, rank: int,
+                    faults: Faults) -> None:
+    with ot.log_trace_span(phases.CHECKPOINT):
+        ot.add_step_tag("checkpoint")
+        faults.inject(phases.CHECKPOINT)
+        if rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+            os.replace(tmp, path)
+            log.info("saved checkpoint %s", path)
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rank_label = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank_label} %(levelname)s %(message)s")
+    if not args.no_trace:
+        # Keywords win over OTEL_TRAIN_* variables; everything not given here can still be set there.
+        ot.init(save_path=args.save_path, enabled=True, log_bridge=True, log_level="INFO")
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    faults = Faults(args, rank)
+    features, classes = 64, 10
+
+    with ot.log_trace_span("build.model"):
+        net: nn.Module = Net(features, args.hidden, classes, faults).to(device)
+        model = DistributedDataParallel(net, device_ids=[local_rank] if use_cuda else None)
+        runnable: nn.Module = torch.compile(model) if args.compile else model
+    with ot.log_trace_span("build.optimizer"):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with ot.log_trace_span("build.data"):
+        train = synthetic_data(args.steps * args.batch_size * world, features, classes, seed=1)
+        held_out = synthetic_data(256, features, classes, seed=2)
+        sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True, seed=0)
+        loader = DataLoader(train, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers,
+                            pin_memory=use_cuda, drop_last=True,
+                            multiprocessing_context="fork" if args.num_workers else None)
+        batches = iter(ott.traced(FaultyIterable(loader, faults)))
+
+    handle = ott.instrument(runnable, optimizer)
+    optimizer.register_step_pre_hook(lambda *_: faults.inject(phases.OPTIMIZER))  # after ours: inside the span
+    checkpoint = Path(args.save_path) / "checkpoints" / "last.pt"
+    for step in range(args.steps):
+        faults.step = step
+        with ot.training_step(step, epoch=0):
+            x, y = ott.batch_to_device(next(batches), device, non_blocking=use_cuda)
+            loss = nn.functional.cross_entropy(runnable(x), y)
+            ott.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if args.checkpoint_every and step and step % args.checkpoint_every == 0:
+                save_checkpoint(model, optimizer, checkpoint, rank, faults)
+            if args.eval_every and step and step % args.eval_every == 0:
+                evaluate(runnable, held_out, device, faults)
+        if step % 10 == 0:
+            ot.log_trace_scalar({"loss": loss.item()})  # .item() syncs: only every 10 steps
+    eval_loss = evaluate(runnable, held_out, device, faults)
+    handle.remove()
+    if rank == 0:
+        log.info("done: %d steps, eval loss %.4f", args.steps, eval_loss)
+    dist.destroy_process_group()
+    ot.shutdown()
+
+
+if __name__ == "__main__":
+    main()
