@@ -21,7 +21,7 @@ import msgspec
 
 from otel_train import schema
 from otel_train._version import __version__
-from otel_train.analysis.model import ProcessTrace, iter_process_traces
+from otel_train.analysis.model import ProcessTrace, Span, iter_process_traces
 from otel_train.analysis.reader import Reader, find_process_files, logs_dir
 from otel_train.analysis.tracks import ExportResult, ProcessLayout, is_incomplete, layout_process
 
@@ -187,7 +187,7 @@ def _slices(lay: ProcessLayout, origin_us: int, events: list[str]) -> int:
     return len(lay.trace.spans)
 
 
-def _span_args(span, incomplete: bool) -> str:
+def _span_args(span: Span, incomplete: bool) -> str:
     """``{"step":…,"span_id":…,"status":…, attrs…, "error":…, "incomplete":true}``."""
     head = f'"span_id":"{span.span_id}","status":"{span.status}"'
     if span.step is not None:
