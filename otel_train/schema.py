@@ -90,6 +90,7 @@ RES_RUN_ID = "training.run_id"
 RES_SOURCE = "training.source"
 
 # Span attribute keys the SDK itself sets (training context on OTLP spans).
+ATTR_INCOMPLETE = "otel_train.incomplete"  # on spans ended by shutdown rather than by their code
 ATTR_STEP = "training.step"
 ATTR_RELATIVE_STEP = "training.relative_step"
 ATTR_EPOCH = "training.epoch"

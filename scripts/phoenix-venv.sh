@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${PHOENIX_VENV:-.venv-phoenix}"
 PYTHON="${PYTHON:-python3}"
-SPEC="${PHOENIX_SPEC:-arize-phoenix}"
+SPEC="${PHOENIX_SPEC:-arize-phoenix==20.26.1}"
 
 if [ -x "$VENV/bin/phoenix" ] && "$VENV/bin/python" -c "import phoenix" 2>/dev/null; then
     exit 0

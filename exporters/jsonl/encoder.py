@@ -18,7 +18,7 @@ from opentelemetry.trace import StatusCode
 from otel_train import schema as S
 from otel_train.context import StepState
 
-INCOMPLETE_ATTR = "otel_train.incomplete"
+INCOMPLETE_ATTR = S.ATTR_INCOMPLETE
 
 
 def _fallback(obj: Any) -> Any:

@@ -51,7 +51,7 @@ from otel_train.analysis.reader import (
 
 DEFAULT_SERVICE_NAME = "otel-train"
 SCOPE_NAME = "otel_train"
-INCOMPLETE_ATTR = "otel_train.incomplete"  # same key the runtime sets on spans ended by shutdown
+INCOMPLETE_ATTR = schema.ATTR_INCOMPLETE  # same key the runtime sets on spans ended by shutdown
 DEFAULT_BATCH_SPANS = 512
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
