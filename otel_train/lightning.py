@@ -47,6 +47,7 @@ _GROUP_OF_HOOK = {
     "on_train_batch_start": phases.HOOKS_BEFORE_STEP,
     "training_step": phases.FORWARD,
     "backward": phases.BACKWARD,
+    "on_before_backward": phases.BACKWARD,  # manual_backward() is reported only through this hook
     "on_before_optimizer_step": phases.OPTIMIZER,
     "on_train_batch_end": phases.HOOKS_AFTER_STEP,
 }
