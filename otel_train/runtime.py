@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
+import random
 import secrets
 import signal
 import sys
@@ -21,9 +22,9 @@ from typing import Any, Mapping
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import Link
+from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link
 
 from otel_train import api
 from otel_train import context as step_context
@@ -49,20 +50,34 @@ def step_trace_id(run_id: str, step: int) -> int:
     return int.from_bytes(digest[:16], "big") or 1
 
 
-class StepTraceIdGenerator(RandomIdGenerator):
-    """Random ids, except for a trace id requested for the next root span started on this thread."""
+class StepTraceIdGenerator(IdGenerator):
+    """Random ids from a private generator, except a trace id requested for the next root span on this thread.
+
+    Private, because training code seeds and restores the global ``random`` state (every rank with the
+    same seed; Lightning's ``isolate_rng``), which would make the SDK's default ids collide.
+    """
 
     def __init__(self) -> None:
+        self._random = random.Random(os.urandom(16))
         self._next = threading.local()
 
     def request_trace_id(self, trace_id: int) -> None:
         self._next.trace_id = trace_id
 
+    def generate_span_id(self) -> int:
+        span_id = self._random.getrandbits(64)
+        while span_id == INVALID_SPAN_ID:
+            span_id = self._random.getrandbits(64)
+        return span_id
+
     def generate_trace_id(self) -> int:
         trace_id = getattr(self._next, "trace_id", None)
-        if trace_id is None:
-            return super().generate_trace_id()
-        self._next.trace_id = None
+        if trace_id is not None:
+            self._next.trace_id = None
+            return trace_id
+        trace_id = self._random.getrandbits(128)
+        while trace_id == INVALID_TRACE_ID:
+            trace_id = self._random.getrandbits(128)
         return trace_id
 
 
@@ -360,8 +375,10 @@ def _chain_sigterm() -> None:
 
 def _after_fork_in_child() -> None:
     # A forked child (DataLoader worker, multiprocessing) must never write into its parent's file:
-    # it traces nothing until it calls init() itself, which opens a file of its own.
+    # it traces nothing until it calls init() itself, which opens a file of its own and, being a new
+    # process, counts relative steps from its own first step.
     global _active
     _active = None
     api._tracing = None
     step_context.step_listeners.clear()
+    step_context.reset()

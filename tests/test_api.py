@@ -299,3 +299,18 @@ def test_is_enabled_tracks_lifecycle(tmp_path: Path) -> None:
     assert ot.is_enabled() and runtime.trace_file() is not None
     ot.shutdown()
     assert not ot.is_enabled() and runtime.trace_file() is None
+
+
+def test_ids_do_not_follow_the_global_random_state(run: Path) -> None:
+    """Ranks seed `random` identically and Lightning restores its state: span ids must not repeat."""
+    import random
+
+    state = random.getstate()
+    with ot.log_trace_span("first"):
+        pass
+    random.setstate(state)
+    with ot.log_trace_span("second"):
+        pass
+    ot.shutdown()
+    starts = [r for r in records(run) if r["kind"] == "span_start"]
+    assert len({r["span_id"] for r in starts}) == 2 and len({r["trace_id"] for r in starts}) == 2

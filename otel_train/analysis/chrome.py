@@ -27,7 +27,8 @@ from otel_train.analysis.tracks import ExportResult, ProcessLayout, is_incomplet
 
 FORMATS = ("chrome", "perfetto")
 ANALYSIS_DIR = "analysis"
-DEFAULT_NAMES = {"chrome": "structured_trace.json", "perfetto": "structured_trace.pftrace"}
+DEFAULT_NAMES = {"chrome": "structured_trace.json", "perfetto": "structured_trace.pftrace",
+                 "otlp-json": "structured_trace.otlp.json"}
 TID_STRIDE = 100_000
 """Track k of process pid gets tid ``pid * TID_STRIDE + k + 1``: unique across the whole trace."""
 ERROR_CNAME = "terrible"

@@ -1,4 +1,4 @@
-"""``otel-train export PATH [--output FILE] [--format chrome|perfetto] [--ranks 0,3-5] [--steps 100-200]``."""
+"""``otel-train export PATH [--output FILE] [--format chrome|perfetto|otlp-json] [--ranks 0,3-5] [--steps 100-200]``."""
 
 from __future__ import annotations
 
@@ -7,10 +7,14 @@ from typing import Optional
 
 import typer
 
-from otel_train.analysis.chrome import FORMATS, export_trace
+from otel_train.analysis.chrome import FORMATS, default_output, export_trace
+from otel_train.analysis.otlp_replay import export_otlp_json
 from otel_train.analysis.reader import Reader
 from otel_train.cli._app import app
 from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
+
+
+OTLP_JSON = "otlp-json"
 
 
 def parse_ranks(text: str) -> set[int]:
@@ -44,21 +48,33 @@ def export(
     path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
     output: Optional[Path] = typer.Option(
         None, "--output", "-o",
-        help="Output file (default <run>/analysis/structured_trace.json, .pftrace for perfetto).",
+        help="Output file (default <run>/analysis/structured_trace.json; .pftrace for perfetto; "
+             ".otlp.json for otlp-json).",
     ),
-    fmt: str = typer.Option("chrome", "--format", "-f", help="chrome (JSON) or perfetto (protobuf, for big runs)."),
+    fmt: str = typer.Option(
+        "chrome", "--format", "-f",
+        help="chrome (JSON), perfetto (protobuf, for big runs) or otlp-json (Jaeger UI: Upload JSON).",
+    ),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Only these ranks, e.g. 0,3-5."),
     steps: Optional[str] = typer.Option(None, "--steps", help="Only these steps (inclusive), e.g. 100-200."),
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
-        if fmt not in FORMATS:
-            fail(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
+        if fmt not in FORMATS + (OTLP_JSON,):
+            fail(f"--format {fmt!r}: use one of {', '.join(FORMATS + (OTLP_JSON,))}")
         try:
             rank_set = parse_ranks(ranks) if ranks is not None else None
             step_range = parse_steps(steps) if steps is not None else None
         except ValueError as exc:
             fail(str(exc))
+        if fmt == OTLP_JSON:
+            out = output if output is not None else default_output(path, OTLP_JSON)
+            with byte_progress(path, "exporting") as progress:
+                reader = Reader(warn=warn, progress=progress)
+                spans = export_otlp_json(path, out, ranks=rank_set, steps=step_range, reader=reader)
+            note_malformed(reader.malformed_lines)
+            typer.echo(f"wrote {out}: {spans} spans (OTLP/JSON)")
+            return
         with byte_progress(path, "exporting") as progress:
             reader = Reader(warn=warn, progress=progress)
             result = export_trace(path, output, fmt=fmt, ranks=rank_set, steps=step_range, reader=reader)
