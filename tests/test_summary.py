@@ -78,6 +78,20 @@ def test_victim_timeouts_after_a_hang_are_not_findings(tmp_path: Path) -> None:
     assert "did not stop inside a span" in summary["findings"][0]["message"]
 
 
+def test_peer_dying_after_the_hang_is_an_echo_not_a_crash(tmp_path: Path) -> None:
+    procs = _ranks(world=2)
+    for p in procs:
+        p.steps(range(5))
+    procs[1].stop_inside(5, [DATA_FETCH])
+    procs[1].advance(500)
+    procs[1].shutdown()  # SIGTERM from the launcher
+    procs[0].advance(50)
+    procs[0].fail(5, BACKWARD, "RuntimeError", "Connection closed by peer")  # gloo, then SIGKILL: no process_end
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path)
+    assert _kinds(summary) == [("hang", 1)]
+
+
 def test_crash_inside_a_span_while_peers_shut_down(tmp_path: Path) -> None:
     procs = _ranks()
     for p in procs:

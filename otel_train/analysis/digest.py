@@ -14,6 +14,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +31,19 @@ NO_STEP = -1
 _PARALLEL_MIN_BYTES = 32 << 20
 
 
-class _Rec(msgspec.Struct):
+class _Rec(msgspec.Struct, gc=False):
+    # Only what the digest reads; every other field is skipped by the decoder without a Python object.
     v: int
     ts: float
     kind: str
     name: str = ""
-    event: str | None = None
     span_id: str | None = None
     parent_span_id: str | None = None
     dur_ms: float | None = None
     status: str | None = None
-    error: dict[str, Any] | None = None
+    error: Any = None
     step: int | None = None
     relative_step: int | None = None
-    attempt: int | None = None
-    world_size: int | None = None
-    host: str | None = None
-    pid: int | None = None
 
 
 @dataclass(slots=True)
@@ -138,83 +135,130 @@ def digest_process(pf: ProcessFiles, attempt: int, progress: Callable[[int], Non
     """Condense one process's files into a ``ProcessDigest`` (warnings are collected, not printed)."""
     d = ProcessDigest(source=pf.source, rank=pf.rank, attempt=attempt, instance=pf.instance)
     reader = Reader(warn=d.warnings.append, progress=progress)
-    opened: dict[str, tuple[str, str | None, int | None, float]] = {}
+    opened: dict[str | None, tuple[str, str | None, int | None, float]] = {}
+    pop = opened.pop
     phases = d.phases
     parents = d.parents
-    last: _Rec | None = None
+    rec: _Rec | None = None
+    first_step = final_step = relative_step = None
+    last_closed: str | None = None
     n = 0
-    for rec in reader.typed(pf, _Rec):
+    # The hot loop: one pass, locals only, the common case (a span closing with status ok) inline.
+    for rec in chain.from_iterable(reader.typed_batches(pf, _Rec)):
         n += 1
-        last = rec
-        kind = rec.kind
-        if rec.step is not None:
-            d.final_step = rec.step
-            if d.first_step is None:
-                d.first_step = rec.step
+        step = rec.step
+        if step is not None:
+            final_step = step
+            if first_step is None:
+                first_step = step
             if rec.relative_step is not None:
-                d.relative_step = rec.relative_step
-        if kind == schema.SPAN_END:
-            _close(d, opened, rec, phases)
-        elif kind == schema.SPAN_START:
-            sid = rec.span_id or ""
+                relative_step = rec.relative_step
+        kind = rec.kind
+        if kind == _SPAN_END:
+            started = pop(rec.span_id, None)
             name = rec.name
-            opened[sid] = (name, rec.parent_span_id, rec.step, rec.ts)
+            dur = rec.dur_ms
+            if started is None or dur is None or rec.status not in _PLAIN_END:
+                last_closed = _close_rare(d, rec, started, last_closed)
+                continue
+            series = phases.get(name)
+            if series is None:
+                series = phases[name] = PhaseSeries()
+            sstep = started[2]
+            series.steps.append(NO_STEP if sstep is None else sstep)
+            series.durs.append(dur)
+            if name != STEP:
+                last_closed = name
+        elif kind == _SPAN_START:
+            name = rec.name
+            opened[rec.span_id] = (name, rec.parent_span_id, step, rec.ts)
             if name not in parents:
-                parent = opened.get(rec.parent_span_id or "")
+                parent = opened.get(rec.parent_span_id)
                 parents[name] = parent[0] if parent else None
             if name == STEP:
-                d.last_closed = None
-        elif kind == schema.INSTANT:
-            if rec.name == schema.INSTANT_PROCESS_END:
-                d.ended_cleanly = True
-        if n == 1:
-            _meta(d, rec)
-            d.first_ts = rec.ts
+                last_closed = None
+        elif kind == _INSTANT and rec.name == schema.INSTANT_PROCESS_END:
+            d.ended_cleanly = True
+    last = rec if n else None
     d.records = n
     d.malformed = reader.malformed_lines
+    d.first_step, d.final_step, d.relative_step, d.last_closed = first_step, final_step, relative_step, last_closed
     if last is not None:
-        d.last_ts = last.ts
-        d.last_event = last.event or last.name or last.kind
+        d.first_ts, d.last_ts = _head(pf, d), last.ts
+        d.last_event = _event(last)
     d.unclosed.extend(
-        OpenSpan(name, sid, parent, step, ts, STATUS_OPEN) for sid, (name, parent, step, ts) in opened.items()
+        OpenSpan(name, sid or "", parent, step, ts, STATUS_OPEN)
+        for sid, (name, parent, step, ts) in opened.items()
     )
     d.unclosed.sort(key=lambda u: u.start_ts)
     return d
 
 
-def _meta(d: ProcessDigest, rec: _Rec) -> None:
-    d.host, d.pid, d.world_size = rec.host, rec.pid, rec.world_size
+_SPAN_START, _SPAN_END, _INSTANT = schema.SPAN_START, schema.SPAN_END, schema.INSTANT
+_PLAIN_END = (schema.STATUS_OK, None)
 
 
-def _close(d: ProcessDigest, opened: dict, rec: _Rec, phases: dict[str, PhaseSeries]) -> None:
-    sid = rec.span_id or ""
-    started = opened.pop(sid, None)
+def _event(rec: _Rec) -> str:
+    """The ``event`` field as the sink writes it (not decoded in the hot loop)."""
+    if rec.kind == schema.SPAN_START:
+        return rec.name + schema.START_SUFFIX
+    if rec.kind == schema.SPAN_END:
+        return rec.name + schema.END_SUFFIX
+    return rec.name or rec.kind
+
+
+class _Meta(msgspec.Struct):
+    ts: float
+    host: str | None = None
+    pid: int | None = None
+    world_size: int | None = None
+
+
+def _head(pf: ProcessFiles, d: ProcessDigest) -> float | None:
+    """Host, pid and world size from the first readable record; returns its ts."""
+    decoder = msgspec.json.Decoder(_Meta)
+    for path in pf.paths:
+        try:
+            with path.open("rb") as f:
+                for line in f:
+                    try:
+                        meta = decoder.decode(line)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue
+                    d.host, d.pid, d.world_size = meta.host, meta.pid, meta.world_size
+                    return meta.ts
+        except OSError:
+            continue
+    return None
+
+
+def _close_rare(d: ProcessDigest, rec: _Rec, started: tuple | None, last_closed: str | None) -> str | None:
+    """A span end that is not a plain ok: error, incomplete, or without its start or duration."""
     name = rec.name
+    sid = rec.span_id or ""
     step = started[2] if started is not None else rec.step
     status = rec.status or schema.STATUS_OK
     if status == schema.STATUS_INCOMPLETE:
         start_ts = started[3] if started is not None else rec.ts - (rec.dur_ms or 0.0) / 1000.0
         d.unclosed.append(OpenSpan(name, sid, rec.parent_span_id, step, start_ts, status))
-        return
+        return last_closed
     dur = rec.dur_ms
     if dur is None:
         dur = (rec.ts - started[3]) * 1000.0 if started is not None else 0.0
-    series = phases.get(name)
+    series = d.phases.get(name)
     if series is None:
-        series = phases[name] = PhaseSeries()
-        if name not in d.parents:
-            d.parents[name] = None
+        series = d.phases[name] = PhaseSeries()
+    d.parents.setdefault(name, None)
     series.steps.append(NO_STEP if step is None else step)
     series.durs.append(dur)
-    if name != STEP:
-        d.last_closed = name
     if status == schema.STATUS_ERROR:
-        err = rec.error or {}
+        err = rec.error if isinstance(rec.error, dict) else {}
         d.errors.append(
             ErrorSpan(
                 name, sid, rec.parent_span_id, step, rec.ts, str(err.get("type", "error")), str(err.get("message", ""))
             )
         )
+    return name if name != STEP else last_closed
 
 
 def _digest_task(args: tuple[ProcessFiles, int]) -> ProcessDigest:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -162,55 +163,61 @@ class Reader:
 
     def records(self, pf: ProcessFiles) -> Iterator[dict]:
         """Every valid record of the process as a dict, in file order (unknown fields kept)."""
-        return self._decode(pf, msgspec.json.Decoder(), _is_record)
+        return chain.from_iterable(self._batches(pf, msgspec.json.Decoder(), _is_record))
 
     def typed(self, pf: ProcessFiles, type_: type[T]) -> Iterator[T]:
         """Records decoded straight into ``type_`` (a msgspec.Struct; unknown fields ignored).
 
         A line that does not match ``type_`` (e.g. misses a required field) counts as malformed.
         """
-        return self._decode(pf, msgspec.json.Decoder(type_), None)
+        return chain.from_iterable(self.typed_batches(pf, type_))
 
-    def _decode(
+    def typed_batches(self, pf: ProcessFiles, type_: type[T]) -> Iterator[list[T]]:
+        """Like ``typed`` in lists of about a MiB of input each: the fastest way through a big file."""
+        return self._batches(pf, msgspec.json.Decoder(type_), None)
+
+    def _batches(
         self, pf: ProcessFiles, decoder: msgspec.json.Decoder, valid: Callable[[Any], bool] | None
-    ) -> Iterator[Any]:
+    ) -> Iterator[list[Any]]:
         for path in pf.paths:
             bad_in_file = 0
-            for first_line, chunk in _chunks(path, self._warn):
+            for offset, chunk in _chunks(path, self._warn):
                 try:
                     items = decoder.decode_lines(chunk)
-                    if valid is None or all(map(valid, items)):
-                        yield from items
-                        if self._progress is not None:
-                            self._progress(len(chunk))
-                        continue
+                    if valid is not None and not all(map(valid, items)):
+                        items = None
                 except (msgspec.DecodeError, msgspec.ValidationError):
-                    pass
-                for offset, line in enumerate(chunk.split(b"\n")):
-                    if not line.strip():
-                        continue
-                    try:
-                        item = decoder.decode(line)
-                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                        item, reason = None, str(exc)
-                    else:
-                        reason = "not a schema-v1 record (needs v, ts, kind)"
-                    if item is not None and (valid is None or valid(item)):
-                        yield item
-                        continue
-                    self.malformed_lines += 1
-                    bad_in_file += 1
-                    if bad_in_file == 1:
-                        self._warn(
-                            f"warning: {path}:{first_line + offset}: skipped malformed line ({reason}); "
-                            "further bad lines in this file are only counted"
-                        )
+                    items = None
+                if items is None:
+                    # Something in this chunk is bad: decode line by line to lose only the bad lines.
+                    items = []
+                    first_line = _line_number(path, offset)
+                    for index, line in enumerate(chunk.split(b"\n")):
+                        if not line.strip():
+                            continue
+                        try:
+                            item = decoder.decode(line)
+                        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                            item, reason = None, str(exc)
+                        else:
+                            reason = "not a schema-v1 record (needs v, ts, kind)"
+                        if item is not None and (valid is None or valid(item)):
+                            items.append(item)
+                            continue
+                        self.malformed_lines += 1
+                        bad_in_file += 1
+                        if bad_in_file == 1:
+                            self._warn(
+                                f"warning: {path}:{first_line + index}: skipped malformed line ({reason}); "
+                                "further bad lines in this file are only counted"
+                            )
+                yield items
                 if self._progress is not None:
                     self._progress(len(chunk))
 
 
 def _chunks(path: Path, warn: Callable[[str], None]) -> Iterator[tuple[int, bytes]]:
-    """``(number of the chunk's first line, bytes)`` pieces of a file, each ending at a line break."""
+    """``(byte offset, bytes)`` pieces of a file, each ending at a line break (but the torn tail)."""
     try:
         f = path.open("rb")
     except OSError as exc:
@@ -218,19 +225,35 @@ def _chunks(path: Path, warn: Callable[[str], None]) -> Iterator[tuple[int, byte
         warn(f"warning: {path}: cannot read ({exc.strerror or exc}); skipped")
         return
     with f:
-        line_no = 1
+        offset = 0
         tail = b""
         while True:
             block = f.read(_CHUNK_BYTES)
             if not block:
                 break
-            buf = tail + block
+            buf = tail + block if tail else block
             cut = buf.rfind(b"\n")
             if cut < 0:
                 tail = buf
                 continue
             chunk, tail = buf[: cut + 1], buf[cut + 1 :]
-            yield line_no, chunk
-            line_no += chunk.count(b"\n")
+            yield offset, chunk
+            offset += len(chunk)
         if tail:
-            yield line_no, tail
+            yield offset, tail
+
+
+def _line_number(path: Path, offset: int) -> int:
+    """1-based number of the line starting at ``offset`` (only needed for a warning, so rarely)."""
+    count = 1
+    try:
+        with path.open("rb") as f:
+            while offset > 0:
+                block = f.read(min(offset, _CHUNK_BYTES))
+                if not block:
+                    break
+                count += block.count(b"\n")
+                offset -= len(block)
+    except OSError:
+        pass
+    return count

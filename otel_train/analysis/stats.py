@@ -3,28 +3,27 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from otel_train.analysis.digest import NO_STEP, ProcessDigest, Run, load_run
 from otel_train.phases import STEP
 
 
-def quantile(sorted_values: Sequence[float], q: float) -> float:
-    """The ``q`` quantile of ascending values, interpolated linearly (numpy's and DuckDB's default)."""
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+def quantiles(values: np.ndarray, qs: Sequence[float]) -> list[float]:
+    """Quantiles interpolated linearly (numpy's and DuckDB's ``quantile_cont``); NaN when empty."""
+    if values.size == 0:
+        return [math.nan] * len(qs)
+    return [float(x) for x in np.quantile(values, qs)]
 
 
 def median(values: Sequence[float]) -> float:
-    """Median of unsorted values."""
-    return quantile(sorted(values), 0.5)
+    """Median of values (NaN when empty)."""
+    return quantiles(np.asarray(values, dtype=float), (0.5,))[0]
 
 
 def groups(run: Run) -> Iterator[list[ProcessDigest]]:
@@ -36,78 +35,98 @@ def groups(run: Run) -> Iterator[list[ProcessDigest]]:
         yield by_key[key]
 
 
-def per_step(d: ProcessDigest, phase: str) -> dict[int, float]:
-    """Step -> total ms spent in ``phase`` during that step (several spans of one step add up)."""
-    out: dict[int, float] = {}
+def durations(d: ProcessDigest, phase: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, ms) columns of one phase's closed spans, zero-copy views of the digest's arrays."""
     series = d.phases.get(phase)
-    if series is None:
-        return out
-    for step, dur in zip(series.steps, series.durs):
-        if step != NO_STEP:
-            out[step] = out.get(step, 0.0) + dur
+    if series is None or not series.durs:
+        return np.empty(0, np.int64), np.empty(0, np.float64)
+    return np.frombuffer(series.steps, dtype=np.int64), np.frombuffer(series.durs, dtype=np.float64)
+
+
+def per_step(d: ProcessDigest, phase: str) -> tuple[np.ndarray, np.ndarray]:
+    """(unique steps ascending, total ms in ``phase`` per step): several spans of one step add up."""
+    steps, durs = durations(d, phase)
+    keep = steps != NO_STEP
+    steps, durs = steps[keep], durs[keep]
+    uniq, inverse = np.unique(steps, return_inverse=True)
+    return uniq, np.bincount(inverse, weights=durs, minlength=uniq.size)
+
+
+def step_axis(group: Sequence[ProcessDigest], phases: Iterable[str]) -> np.ndarray:
+    """Every step any process of the group recorded in any of ``phases``, ascending."""
+    cols = [per_step(d, p)[0] for d in group for p in phases]
+    return np.unique(np.concatenate(cols)) if cols else np.empty(0, np.int64)
+
+
+def align(axis: np.ndarray, steps: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``values`` (at ascending ``steps``) placed on ``axis``; NaN where a step has no value."""
+    out = np.full(axis.size, np.nan)
+    idx = np.searchsorted(axis, steps)
+    ok = idx < axis.size
+    ok[ok] = axis[idx[ok]] == steps[ok]
+    out[idx[ok]] = values[ok]
     return out
 
 
 @dataclass(slots=True)
 class PeerTable:
-    """Durations of one phase per shared step across a group's processes, with each one's peer median.
+    """One phase across a group, step by step: ``durs[i, j]`` is process j's ms at ``steps[i]``.
 
-    ``durs[i][j]`` is process j's ms at ``steps[i]`` (None when it has none); ``peers[i][j]`` is the
-    median of the *other* processes' values at that step (None where j has no value).
+    ``peers[i, j]`` is the median of the *other* processes' values at that step. Both are NaN where
+    process j has no value or fewer than two processes have one.
     """
 
     phase: str
-    steps: list[int]
-    durs: list[list[float | None]]
-    peers: list[list[float | None]]
+    steps: np.ndarray
+    durs: np.ndarray
+    peers: np.ndarray
 
 
-def peer_table(group: Sequence[ProcessDigest], phase: str) -> PeerTable:
-    """Compare every process against the median of its peers, step by step (steps with ≥ 2 values)."""
-    columns = [per_step(d, phase) for d in group]
-    all_steps = sorted(set().union(*columns)) if columns else []
-    steps: list[int] = []
-    durs: list[list[float | None]] = []
-    peers: list[list[float | None]] = []
-    for step in all_steps:
-        row = [col.get(step) for col in columns]
-        present = [v for v in row if v is not None]
-        if len(present) < 2:
-            continue
-        steps.append(step)
-        durs.append(row)
-        peers.append(_peer_medians(row, sorted(present)))
-    return PeerTable(phase, steps, durs, peers)
+def peer_table(group: Sequence[ProcessDigest], phase: str, steps: np.ndarray | None = None) -> PeerTable:
+    """Compare every process with the median of its peers at the same step (on ``steps`` if given)."""
+    axis = step_axis(group, [phase]) if steps is None else steps
+    durs = np.full((axis.size, len(group)), np.nan)
+    for j, d in enumerate(group):
+        durs[:, j] = align(axis, *per_step(d, phase))
+    shared = (~np.isnan(durs)).sum(axis=1) >= 2
+    durs[~shared] = np.nan
+    return PeerTable(phase, axis, durs, peer_medians(durs))
 
 
-def _peer_medians(row: list[float | None], ordered: list[float]) -> list[float | None]:
-    # Median of the others = median of ``ordered`` with one copy of the own value removed.
-    n = len(ordered) - 1
-    out: list[float | None] = []
-    for v in row:
-        if v is None:
-            out.append(None)
-            continue
-        k = ordered.index(v)
+def peer_medians(m: np.ndarray) -> np.ndarray:
+    """For each cell, the median of the other non-NaN cells of its row (NaN where the cell is NaN)."""
+    rows, width = m.shape
+    if rows == 0 or width == 0:
+        return m.copy()
+    valid = ~np.isnan(m)
+    others = valid.sum(axis=1, keepdims=True) - 1
+    order = np.argsort(m, axis=1)  # NaN last
+    ordered = np.take_along_axis(m, order, axis=1)
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.broadcast_to(np.arange(width), m.shape), axis=1)
 
-        def at(i: int) -> float:
-            return ordered[i] if i < k else ordered[i + 1]
+    def other(i: np.ndarray) -> np.ndarray:
+        # The i-th smallest of the others: skip the cell's own slot in the sorted row.
+        j = np.clip(np.where(i < pos, i, i + 1), 0, width - 1)
+        return np.take_along_axis(ordered, j, axis=1)
 
-        out.append(at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2.0)
+    lo = np.broadcast_to((others - 1) // 2, m.shape)
+    hi = np.broadcast_to(others // 2, m.shape)
+    out = (other(lo) + other(hi)) / 2.0
+    out[~valid | (others < 1)] = np.nan
     return out
 
 
 def straggler_scores(table: PeerTable) -> list[float | None]:
     """Per process: median over steps of (own ms / peer median ms); None without comparable steps."""
-    width = len(table.durs[0]) if table.durs else 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = table.durs / table.peers
+    ratio[~np.isfinite(ratio)] = np.nan
     out: list[float | None] = []
-    for j in range(width):
-        ratios = [
-            row[j] / ref[j]  # type: ignore[operator]
-            for row, ref in zip(table.durs, table.peers)
-            if row[j] is not None and ref[j]
-        ]
-        out.append(median(ratios) if ratios else None)
+    for j in range(ratio.shape[1]):
+        col = ratio[:, j]
+        col = col[~np.isnan(col)]
+        out.append(float(np.median(col)) if col.size else None)
     return out
 
 
@@ -116,18 +135,21 @@ def _phase_rows(run: Run) -> list[dict[str, Any]]:
     order = {name: i for i, name in enumerate(run.phase_order())}
     for d in run.processes:
         for name in sorted(d.phases, key=lambda n: order.get(n, len(order))):
-            durs = sorted(d.phases[name].durs)
+            _, durs = durations(d, name)
+            if not durs.size:
+                continue
+            p50, p95 = quantiles(durs, (0.5, 0.95))
             rows.append(
                 {
                     "name": name,
                     "rank": d.rank,
                     "attempt": d.attempt,
                     "source": d.source,
-                    "count": len(durs),
-                    "mean_ms": sum(durs) / len(durs),
-                    "p50_ms": quantile(durs, 0.5),
-                    "p95_ms": quantile(durs, 0.95),
-                    "max_ms": durs[-1],
+                    "count": int(durs.size),
+                    "mean_ms": float(durs.mean()),
+                    "p50_ms": p50,
+                    "p95_ms": p95,
+                    "max_ms": float(durs.max()),
                 }
             )
     return rows
@@ -136,12 +158,16 @@ def _phase_rows(run: Run) -> list[dict[str, Any]]:
 def _step_rows(run: Run) -> list[dict[str, Any]]:
     rows = []
     for d in run.processes:
-        steps = per_step(d, STEP)
+        steps, totals = per_step(d, STEP)
         children = [name for name, parent in d.parents.items() if parent == STEP and name in d.phases]
-        child_steps = {name: per_step(d, name) for name in children}
-        for step in sorted(steps):
-            phases = {name: col[step] for name, col in child_steps.items() if step in col}
-            total = steps[step]
+        cols = []
+        for name in children:
+            cols.append((name, align(steps, *per_step(d, name)).tolist()))
+        covered = np.zeros(steps.size)
+        for _, col in cols:
+            covered += np.nan_to_num(np.asarray(col))
+        idle = np.maximum(totals - covered, 0.0).tolist()
+        for i, (step, total) in enumerate(zip(steps.tolist(), totals.tolist())):
             rows.append(
                 {
                     "rank": d.rank,
@@ -149,8 +175,8 @@ def _step_rows(run: Run) -> list[dict[str, Any]]:
                     "source": d.source,
                     "step": step,
                     "step_ms": total,
-                    "phases": phases,
-                    "idle_ms": max(total - sum(phases.values()), 0.0),
+                    "phases": {name: col[i] for name, col in cols if col[i] == col[i]},
+                    "idle_ms": idle[i],
                 }
             )
     return rows
@@ -162,10 +188,8 @@ def _score_rows(run: Run) -> list[dict[str, Any]]:
     for group in groups(run):
         if len(group) < 2:
             continue
-        names = [n for n in order if any(n in d.phases for d in group)]
-        for name in names:
-            table = peer_table(group, name)
-            for d, score in zip(group, straggler_scores(table)):
+        for name in (n for n in order if any(n in d.phases for d in group)):
+            for d, score in zip(group, straggler_scores(peer_table(group, name))):
                 if score is not None:
                     rows.append(
                         {"phase": name, "rank": d.rank, "attempt": d.attempt, "source": d.source, "score": score}

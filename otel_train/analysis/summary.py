@@ -8,8 +8,9 @@ Findings (``kind``), decided per group of processes that ran together (same sour
   stopped rank is at the same place and nothing else explains it, one finding with ``rank: null``
   says so (naming ranks missing from the trace when ``world_size`` says there should be more).
 * ``crash``: a process ended without shutdown (no ``process_end`` instant) and no open peer is to
-  blame: it died outside any span, or it died inside one while its peers lived on to shut down (or
-  it ran alone). Peers stopped while waiting for a crashed rank are victims.
+  blame: it died outside any span before any peer got stuck, or it died inside one while its peers
+  lived on to shut down (or it ran alone). Peers stopped while waiting for a crashed rank are
+  victims; a death after a peer got stuck is that peer's echo, not a finding.
 * ``error``: a span ended with an exception; one finding per (rank, innermost span, exception type)
   with a count. Errors a victim raised after the hang/crash culprit stopped (collective timeouts)
   are not findings.
@@ -26,8 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from otel_train.analysis.digest import ErrorSpan, ProcessDigest, Run, load_run
-from otel_train.analysis.stats import groups, median, peer_table, quantile
+import numpy as np
+
+from otel_train.analysis.digest import NO_STEP, ErrorSpan, ProcessDigest, Run, load_run
+from otel_train.analysis.stats import durations, groups, peer_table, quantiles, step_axis
 from otel_train.phases import STEP
 
 HANG = "hang"
@@ -109,31 +112,33 @@ def _phase_rows(run: Run, order: list[str]) -> list[dict[str, Any]]:
     names = [n for n in order if any(n in d.phases for d in run.processes)]
     rows = []
     for name in names:
-        values: list[float] = []
+        columns: list[np.ndarray] = []
         slowest: tuple[float, ProcessDigest, int] | None = None
         for d in run.processes:
-            series = d.phases.get(name)
-            if series is None:
+            steps, durs = durations(d, name)
+            if not durs.size:
                 continue
-            values.extend(series.durs)
-            top = max(range(len(series.durs)), key=series.durs.__getitem__)
-            if slowest is None or series.durs[top] > slowest[0]:
-                slowest = (series.durs[top], d, series.steps[top])
-        values.sort()
-        assert slowest is not None
+            columns.append(durs)
+            top = int(durs.argmax())
+            if slowest is None or durs[top] > slowest[0]:
+                slowest = (float(durs[top]), d, int(steps[top]))
+        if slowest is None:
+            continue
+        values = np.concatenate(columns)
+        p50, p95 = quantiles(values, (0.5, 0.95))
         dur, who, step = slowest
         rows.append(
             {
                 "name": name,
-                "count": len(values),
-                "mean_ms": sum(values) / len(values),
-                "p50_ms": quantile(values, 0.5),
-                "p95_ms": quantile(values, 0.95),
-                "max_ms": values[-1],
+                "count": int(values.size),
+                "mean_ms": float(values.mean()),
+                "p50_ms": p50,
+                "p95_ms": p95,
+                "max_ms": dur,
                 "slowest": {
                     "rank": who.rank,
                     "attempt": who.attempt,
-                    "step": step if step >= 0 else None,
+                    "step": step if step != NO_STEP else None,
                     "dur_ms": dur,
                 },
             }
@@ -197,6 +202,11 @@ def _stop_findings(
     stopped = [d for d in group if d.unclosed]
     others = [d for d in group if not d.unclosed]
     died_outside = [d for d in others if not d.ended_cleanly]
+    if stopped:
+        # Only a death before anyone got stuck can explain the stuck ones; a later one is their echo
+        # (e.g. a collective failing once the stuck rank was killed).
+        first_stop = min(d.innermost.start_ts for d in stopped)  # type: ignore[union-attr]
+        died_outside = [d for d in died_outside if (d.last_ts or 0.0) <= first_stop]
     found = []
     for d in died_outside:
         step, phase = _where(d)
@@ -294,47 +304,45 @@ def _straggler_findings(group: list[ProcessDigest], order: list[str]) -> list[di
     if len(group) < 2:
         return []
     names = [n for n in order if any(n in d.phases for d in group)]
-    children = [n for n in names if any(d.parents.get(n) == STEP for d in group)]
-    # Cumulative excess over peers before each step-child phase: how late each rank arrived there.
-    lateness: dict[int, list[float]] = {}
+    children = {n for n in names if any(d.parents.get(n) == STEP for d in group)}
+    axis = step_axis(group, names)
+    # How late each rank arrived at the current step-child phase: its summed excess over its peers
+    # in the earlier child phases of the same step. Waiting for a later peer is explained excess.
+    lateness = np.zeros((axis.size, len(group)))
     out = []
     for name in names:
-        table = peer_table(group, name)
-        is_child = name in children
-        slow: list[list[tuple[float, float, int]]] = [[] for _ in group]  # (ratio, excess, step)
-        counted = [0] * len(group)
-        for step, row, refs in zip(table.steps, table.durs, table.peers):
-            late = lateness.get(step, [0.0] * len(group)) if is_child else [0.0] * len(group)
-            latest = max(late)
-            for j, (v, ref) in enumerate(zip(row, refs)):
-                if v is None or ref is None:
-                    continue
-                counted[j] += 1
-                excess = v - ref
-                unexplained = excess - (latest - late[j])
-                if v >= STRAGGLER_MIN_RATIO * ref and unexplained >= max(STRAGGLER_MIN_EXCESS_MS, 0.25 * ref):
-                    slow[j].append((v / ref if ref else float("inf"), excess, step))
-            if is_child:
-                lateness[step] = [
-                    lt + ((v - ref) if v is not None and ref is not None else 0.0)
-                    for lt, v, ref in zip(late, row, refs)
-                ]
-        for d, hits, n in zip(group, slow, counted):
-            if n and len(hits) >= max(3, STRAGGLER_MIN_FRACTION * n):
-                ratio = median([h[0] for h in hits])
-                extra = median([h[1] for h in hits])
-                worst = max(hits, key=lambda h: h[1])
-                out.append(
-                    _finding(
-                        STRAGGLER, d, worst[2], name,
-                        f"rank {d.rank} (attempt {d.attempt}) is slower than its peers in {name} in "
-                        f"{len(hits)}/{n} steps: {ratio:.1f}x the peer median (+{extra:.1f} ms per step; "
-                        f"worst at step {worst[2]}, +{worst[1]:.1f} ms)",
-                        score=ratio,
-                        slow_steps=len(hits),
-                        steps=n,
-                    )
+        table = peer_table(group, name, axis)
+        durs, refs = table.durs, table.peers
+        excess = durs - refs
+        explained = lateness.max(axis=1, keepdims=True) - lateness if name in children else 0.0
+        with np.errstate(invalid="ignore"):
+            slow = (durs >= STRAGGLER_MIN_RATIO * refs) & (
+                excess - explained >= np.maximum(STRAGGLER_MIN_EXCESS_MS, 0.25 * refs)
+            )
+        counted = (~np.isnan(excess)).sum(axis=0)
+        if name in children:
+            lateness += np.nan_to_num(excess)
+        for j, d in enumerate(group):
+            hits = int(slow[:, j].sum())
+            n = int(counted[j])
+            if not n or hits < max(3, STRAGGLER_MIN_FRACTION * n):
+                continue
+            mask = slow[:, j]
+            ratio = float(np.median(durs[mask, j] / refs[mask, j]))
+            extra = float(np.median(excess[mask, j]))
+            worst = int(np.flatnonzero(mask)[excess[mask, j].argmax()])
+            worst_step, worst_ms = int(axis[worst]), float(excess[worst, j])
+            out.append(
+                _finding(
+                    STRAGGLER, d, worst_step, name,
+                    f"rank {d.rank} (attempt {d.attempt}) is slower than its peers in {name} in "
+                    f"{hits}/{n} steps: {ratio:.1f}x the peer median (+{extra:.1f} ms per step; "
+                    f"worst at step {worst_step}, +{worst_ms:.1f} ms)",
+                    score=ratio,
+                    slow_steps=hits,
+                    steps=n,
                 )
+            )
     return out
 
 
