@@ -291,6 +291,12 @@ def shutdown(timeout_s: float = 5.0) -> None:
     """End still-open spans as incomplete, flush and close everything; returns within ``timeout_s``."""
     global _active
     deadline = time.monotonic() + max(0.0, timeout_s)
+    rt = _active
+    if rt is None or rt.pid != os.getpid():
+        # A fork child between fork and its after-fork hook (a SIGTERM from Pool.terminate lands
+        # there) still sees its parent's runtime: it must neither end the parent's spans in the
+        # parent's file nor touch locks or threads it inherited mid-use.
+        return
     with _lock:
         rt = _active
         if rt is None:
