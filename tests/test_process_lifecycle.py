@@ -1,0 +1,257 @@
+"""Process death and birth through the real SDK: SIGKILL, SIGTERM, atexit, fork, multiprocessing.
+
+Every test runs the SDK in a child interpreter configured only through the environment, as a
+launcher would, and reads back the files it left.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from otel_train import schema as S
+
+from conftest import ReadRecords, trace_segments
+
+TIMEOUT = 30
+
+
+def spawn(code: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_ready(child: subprocess.Popen[str]) -> str:
+    line = child.stdout.readline()
+    if not line.startswith("ready"):
+        child.kill()
+        _, err = child.communicate(timeout=TIMEOUT)
+        pytest.fail(f"child did not get ready: {line!r}\n{err}")
+    return line
+
+
+def finish(child: subprocess.Popen[str]) -> tuple[str, str]:
+    try:
+        return child.communicate(timeout=TIMEOUT)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def run(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, text=True,
+                          capture_output=True, timeout=TIMEOUT)
+
+
+def by_kind(records: list[dict], kind: str) -> list[dict]:
+    return [r for r in records if r[S.KIND] == kind]
+
+
+def assert_gapless(records: list[dict]) -> None:
+    seqs = [r[S.SEQ] for r in records]
+    assert seqs == list(range(1, len(seqs) + 1))
+
+
+# A step > forward nest held open until the parent acts; "ready" says both starts are on disk.
+OPEN_NEST = """
+import time
+import otel_train as ot
+{before_init}
+ot.init()
+with ot.training_step(7, epoch=1):
+    with ot.log_trace_span("forward", micro=2):
+        print("ready", flush=True)
+        time.sleep(60)
+"""
+
+
+def test_sigkill_inside_open_spans_leaves_their_start_records(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    child = spawn(OPEN_NEST.format(before_init=""), traced_env())
+    wait_ready(child)
+    child.send_signal(signal.SIGKILL)
+    finish(child)
+    assert child.returncode == -signal.SIGKILL
+
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    assert [r[S.EVENT] for r in records] == ["process_start", "step_start", "forward_start"]
+    step, forward = records[1], records[2]
+    assert forward[S.PARENT_SPAN_ID] == step[S.SPAN_ID] and forward[S.TRACE_ID] == step[S.TRACE_ID]
+    assert forward[S.STEP] == 7 and forward[S.EPOCH] == 1 and forward[S.ATTRS] == {"micro": 2}
+    assert forward[S.PID] == child.pid
+
+
+def test_sigkill_mid_stream_tears_at_most_the_last_line(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    code = """
+    import otel_train as ot
+    ot.init()
+    for i in range(10**7):
+        with ot.training_step(i):
+            with ot.log_trace_span("forward"):
+                ot.log_trace_scalar({"loss": 1.0 / (i + 1)})
+        if i == 300:
+            print("ready", flush=True)
+    """
+    # Small segments so the kill may also land around a rotation.
+    child = spawn(code, traced_env(OTEL_TRAIN_MAX_FILE_SIZE_MB="0.05", OTEL_TRAIN_BACKUP_COUNT="1000"))
+    wait_ready(child)
+    child.send_signal(signal.SIGKILL)
+    finish(child)
+    assert child.returncode == -signal.SIGKILL
+
+    records = read_records(tmp_path, torn_ok=1)
+    assert len(records) > 300 * 5
+    assert_gapless(records)  # nothing lost before the tail, nothing duplicated across segments
+    assert by_kind(records, S.INSTANT)[-1][S.NAME] == S.INSTANT_PROCESS_START  # no process_end: it died
+    # Whatever was open at the kill is an unmatched start, at most the step and its forward.
+    ended = {r[S.SPAN_ID] for r in by_kind(records, S.SPAN_END)}
+    open_names = [r[S.NAME] for r in by_kind(records, S.SPAN_START) if r[S.SPAN_ID] not in ended]
+    assert open_names in ([], ["step"], ["step", "forward"])
+
+
+def test_sigterm_ends_open_spans_incomplete_and_dies_of_sigterm(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    child = spawn(OPEN_NEST.format(before_init=""), traced_env())
+    wait_ready(child)
+    child.send_signal(signal.SIGTERM)
+    _, err = finish(child)
+    assert child.returncode == -signal.SIGTERM, err  # launchers see the same exit status as without us
+
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    assert [r[S.EVENT] for r in records] == [
+        "process_start", "step_start", "forward_start", "forward_end", "step_end", "process_end"]
+    forward_end, step_end, end = records[3:]
+    assert forward_end[S.STATUS] == step_end[S.STATUS] == S.STATUS_INCOMPLETE  # innermost first
+    assert forward_end[S.SPAN_ID] == records[2][S.SPAN_ID] and step_end[S.SPAN_ID] == records[1][S.SPAN_ID]
+    assert step_end[S.DUR_MS] >= forward_end[S.DUR_MS] > 0
+    assert end[S.ATTRS]["incomplete_spans"] == 2 and end[S.ATTRS]["records"] == end[S.SEQ]
+    assert "Traceback" not in err
+
+
+def test_sigterm_chains_a_handler_installed_before_init(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    handler = """
+import signal, sys
+def on_term(signum, frame):
+    print("user handler", signum, flush=True)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, on_term)
+"""
+    child = spawn(OPEN_NEST.format(before_init=handler), traced_env())
+    wait_ready(child)
+    child.send_signal(signal.SIGTERM)
+    out, err = finish(child)
+    assert out == f"user handler {int(signal.SIGTERM)}\n", err
+    assert child.returncode == 3  # the user's handler decided how to leave
+
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    # SystemExit unwinds the with-blocks and runs atexit: shutdown already ran once, nothing doubles.
+    assert [r[S.EVENT] for r in records][3:] == ["forward_end", "step_end", "process_end"]
+    assert {r[S.STATUS] for r in by_kind(records, S.SPAN_END)} == {S.STATUS_INCOMPLETE}
+
+
+def test_normal_exit_without_shutdown_runs_it_at_exit(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    code = """
+    import threading
+    import otel_train as ot
+    ot.init()
+    ot.set_step(4)
+    ot.log_trace_span("eval").__enter__()  # left open by the main thread
+    entered = threading.Event()
+    def loader():
+        with ot.log_trace_span("data_fetch"):
+            entered.set()
+            threading.Event().wait()  # a daemon thread that never finishes its span
+    threading.Thread(target=loader, daemon=True).start()
+    entered.wait(10)
+    """
+    proc = run(code, traced_env())
+    assert proc.returncode == 0, proc.stderr
+
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    ends = by_kind(records, S.SPAN_END)
+    assert sorted(r[S.NAME] for r in ends) == ["data_fetch", "eval"]
+    assert all(r[S.STATUS] == S.STATUS_INCOMPLETE and r[S.STEP] == 4 for r in ends)
+    assert records[-1][S.EVENT] == S.INSTANT_PROCESS_END and by_kind(records, S.INSTANT).count(records[-1]) == 1
+    assert records[-1][S.ATTRS]["incomplete_spans"] == 2
+
+
+def test_forked_children_never_write_into_the_parent_file(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    """What a forked child does (``os.fork``, a ``fork``-context multiprocessing worker, a DataLoader worker):
+
+    it inherits the parent's open file descriptor but traces nothing — every API call is a no-op in the
+    child, so the parent's file never gets a record from another pid and nothing the parent wrote before
+    the fork is written twice. A child that wants its own trace calls ``ot.init()``; that opens a file of
+    its own (its pid in the records, a fresh random part in the name) and, like any process, it should
+    call ``ot.shutdown()`` before it leaves.
+    """
+    code = """
+    import multiprocessing, os, sys
+    import otel_train as ot
+
+    def traced_work(i):
+        with ot.log_trace_span("worker_task", i=i):
+            ot.log_trace_instant("worker_instant")
+            ot.log_trace_scalar({"x": i})
+        return os.getpid(), ot.is_enabled()
+
+    ot.init()
+    with ot.training_step(1):
+        with ot.log_trace_span("forward"):
+            pid = os.fork()
+            if pid == 0:  # a bare fork child, inside the parent's open spans
+                traced_work(0)
+                os._exit(0 if not ot.is_enabled() else 1)
+            assert os.waitpid(pid, 0)[1] == 0
+            for _ in range(8):  # leaving `with Pool` SIGTERMs workers, some right after their fork
+                with multiprocessing.get_context("fork").Pool(2) as pool:
+                    results = pool.map(traced_work, range(4))
+                assert all(not enabled for _, enabled in results), results
+
+            pid = os.fork()
+            if pid == 0:  # a child that traces on its own
+                ot.init(source="child")
+                with ot.training_step(100):
+                    traced_work(1)
+                ot.shutdown()
+                os._exit(0)
+            assert os.waitpid(pid, 0)[1] == 0
+            print(pid, flush=True)
+    ot.shutdown()
+    """
+    proc = run(code, traced_env())
+    assert proc.returncode == 0, proc.stderr
+    child_pid = int(proc.stdout)
+
+    records = read_records(tmp_path)
+    pids = {r[S.PID] for r in records}
+    assert len(pids) == 2 and child_pid in pids
+    parent = [r for r in records if r[S.SOURCE] == "training"]
+    child = [r for r in records if r[S.SOURCE] == "child"]
+    assert {r[S.PID] for r in child} == {child_pid} and child_pid not in {r[S.PID] for r in parent}
+    assert_gapless(parent)  # not one duplicated or foreign record
+    assert [r[S.EVENT] for r in parent] == [
+        "process_start", "step_start", "forward_start", "forward_end", "step_end", "process_end"]
+    assert_gapless(child)
+    assert [r[S.EVENT] for r in child] == [
+        "process_start", "step_start", "worker_task_start", "worker_instant", "scalar", "worker_task_end",
+        "step_end", "process_end"]
+    assert child[1][S.STEP] == 100 and child[1][S.RELATIVE_STEP] == 0
+
+    names = sorted(p.name for segments in trace_segments(tmp_path) for p in segments)
+    assert len(names) == 2 and names[0].startswith("child.global_rank_0.")
+    assert names[1].startswith("training.global_rank_0.")
