@@ -157,6 +157,7 @@ def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, A
             raise
         _active = rt
         _install_process_hooks()
+        _shutdown_at_multiprocessing_exit()
         _start_lifecycle(rt)
 
 
@@ -359,6 +360,16 @@ def _install_process_hooks() -> None:
     os.register_at_fork(after_in_child=_after_fork_in_child)
     if threading.current_thread() is threading.main_thread():
         _chain_sigterm()
+
+
+def _shutdown_at_multiprocessing_exit() -> None:
+    # A multiprocessing fork/forkserver worker leaves through os._exit, which skips atexit; its exit
+    # path still runs multiprocessing's own finalizers, so a worker that called init() ends cleanly.
+    mp = sys.modules.get("multiprocessing")
+    if mp is not None and mp.parent_process() is not None:
+        import multiprocessing.util
+
+        multiprocessing.util.Finalize(None, shutdown, exitpriority=0)
 
 
 def _chain_sigterm() -> None:
