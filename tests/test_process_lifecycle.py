@@ -196,8 +196,9 @@ def test_forked_children_never_write_into_the_parent_file(
     it inherits the parent's open file descriptor but traces nothing — every API call is a no-op in the
     child, so the parent's file never gets a record from another pid and nothing the parent wrote before
     the fork is written twice. A child that wants its own trace calls ``ot.init()``; that opens a file of
-    its own (its pid in the records, a fresh random part in the name) and, like any process, it should
-    call ``ot.shutdown()`` before it leaves.
+    its own (its pid in the records, a fresh random part in the name). A multiprocessing worker that does
+    so is shut down cleanly when it leaves; a bare ``os.fork`` child that leaves through ``os._exit``
+    skips every exit hook, so it calls ``ot.shutdown()`` itself.
     """
     code = """
     import multiprocessing, os, sys
@@ -255,3 +256,30 @@ def test_forked_children_never_write_into_the_parent_file(
     names = sorted(p.name for segments in trace_segments(tmp_path) for p in segments)
     assert len(names) == 2 and names[0].startswith("child.global_rank_0.")
     assert names[1].startswith("training.global_rank_0.")
+
+
+def test_multiprocessing_worker_that_inits_ends_cleanly_without_shutdown(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    code = """
+    import multiprocessing
+    import otel_train as ot
+
+    def work():
+        ot.init(source="worker")
+        ot.training_step(3).__enter__()  # both still open when the worker returns
+        ot.log_trace_span("forward").__enter__()
+
+    if __name__ == "__main__":
+        worker = multiprocessing.get_context("fork").Process(target=work)
+        worker.start()
+        worker.join(20)
+        assert worker.exitcode == 0, worker.exitcode
+    """
+    proc = run(code, traced_env())
+    assert proc.returncode == 0, proc.stderr
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    # multiprocessing leaves through os._exit (no atexit): without its finalizer this looked like a crash.
+    assert [r[S.EVENT] for r in records] == [
+        "process_start", "step_start", "forward_start", "forward_end", "step_end", "process_end"]
+    assert records[3][S.STATUS] == records[4][S.STATUS] == S.STATUS_INCOMPLETE
