@@ -42,6 +42,7 @@ class Tracing:
 
 
 _tracing: Tracing | None = None
+_call_site = step_context.call_site
 
 
 class _Span:
@@ -61,10 +62,14 @@ class _Span:
             return trace.INVALID_SPAN
         if self._span is not None:
             raise RuntimeError(f"otel_train.log_trace_span({self._name!r}) is already entered; use a new one")
-        if self._name == STEP and tracing.start_step_span is not None:
-            span = tracing.start_step_span(self._attrs)
-        else:
-            span = tracing.tracer.start_span(self._name, attributes=self._attrs)
+        _call_site.frame = sys._getframe(1)
+        try:
+            if self._name == STEP and tracing.start_step_span is not None:
+                span = tracing.start_step_span(self._attrs)
+            else:
+                span = tracing.tracer.start_span(self._name, attributes=self._attrs)
+        finally:
+            _call_site.frame = None
         self._span = span
         self._token = otel_context.attach(trace.set_span_in_context(span))
         return span
@@ -77,10 +82,12 @@ class _Span:
         try:
             otel_context.detach(self._token)
         finally:
-            if exc is not None and span.is_recording():
-                span.record_exception(exc, escaped=True)
-                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-            if span.is_recording():  # shutdown may already have ended it as incomplete
+            # After shutdown (or in a forked child) the span is not ours to end: shutdown already ended
+            # it as incomplete, and a child must not write into its parent's file.
+            if _tracing is not None:
+                if exc is not None:
+                    span.record_exception(exc, escaped=True)
+                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
                 span.end()
         return False
 

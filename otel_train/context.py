@@ -8,6 +8,8 @@ for ``threading.Thread``) sees the latest step set anywhere in the process. Know
 from __future__ import annotations
 
 import contextvars
+import threading
+from types import FrameType
 from typing import Callable
 
 
@@ -38,6 +40,14 @@ EMPTY = StepState(None, None, None, None, ())
 _current: contextvars.ContextVar[StepState | None] = contextvars.ContextVar("otel_train_step", default=None)
 _latest: StepState = EMPTY
 _first_step: int | None = None
+
+class CallSite(threading.local):
+    """The frame of the API call in progress on this thread, so sinks need not walk the stack to find it."""
+
+    frame: FrameType | None = None
+
+
+call_site = CallSite()
 
 # Called with the new step whenever set_step changes it (telemetry samplers and the like).
 step_listeners: list[Callable[[int], None]] = []

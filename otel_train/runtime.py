@@ -8,6 +8,11 @@ here raises into training code.
 from __future__ import annotations
 
 import atexit
+# Imported before any TracerProvider exists, on purpose: the SDK's provider re-detects resources in a
+# forked child through a ThreadPoolExecutor, and concurrent.futures re-initialises its global lock in
+# the child only in its own after-fork hook. Hooks run in registration order, so this module's must be
+# registered first, or every fork child (DataLoader workers included) deadlocks in the SDK's hook.
+import concurrent.futures.thread  # noqa: F401
 import hashlib
 import os
 import random
@@ -32,7 +37,7 @@ from otel_train import schema as S
 from otel_train._version import __version__
 from otel_train.config import Settings, resolve_settings
 from otel_train.errors import ConfigError
-from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder
+from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder, check_sdk_span_fields
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
 from otel_train.exporters.jsonl.writer import RotatingFileWriter
 from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors, shutdown_processors
@@ -189,6 +194,10 @@ def _build(rt: _Runtime) -> None:
         rt.writer = _open_writer(settings, ctx, log_dir)
         rt.file_path = rt.writer.path
     if rt.writer is not None or rt.record_handlers:
+        try:
+            check_sdk_span_fields()
+        except RuntimeError as exc:
+            raise ConfigError(str(exc)) from None
         encoder = RecordEncoder(_static_fields(ctx), skip_attr_prefix=TRAINING_ATTR_PREFIX if has_others else None)
         rt.jsonl = JsonlSpanProcessor(
             rt.writer, encoder, caller=CallerFinder(_library_dirs()),

@@ -16,7 +16,7 @@ import msgspec
 from opentelemetry.trace import StatusCode
 
 from otel_train import schema as S
-from otel_train.context import StepState
+from otel_train.context import StepState, call_site
 
 INCOMPLETE_ATTR = S.ATTR_INCOMPLETE
 
@@ -61,14 +61,15 @@ class CallerFinder:
         self._cache: dict[tuple[CodeType, int], str] = {}
 
     def __call__(self) -> str:
-        frame = sys._getframe(2)
+        # Start from the API call's own frame when it left one; otherwise walk up from our caller.
+        frame = call_site.frame or sys._getframe(2)
         skip = self._skip
         while frame is not None and frame.f_code.co_filename.startswith(skip):
             frame = frame.f_back
         if frame is None:
             return ""
         code = frame.f_code
-        key = (code, frame.f_lineno)
+        key = (code, frame.f_lasti)  # the instruction offset: cheaper than f_lineno, which decodes a table
         found = self._cache.get(key)
         if found is None:
             if len(self._cache) > 4096:  # bounded: generated code could mint endless keys
@@ -77,102 +78,124 @@ class CallerFinder:
         return found
 
 
-class RecordEncoder:
-    """Encodes span starts/ends, instants and scalars; ``static`` holds the run-context fields."""
+# The hot path reads the SDK span's fields directly: its public properties copy (attributes) or add a
+# call per field, which together cost more than the whole record. check_sdk_span_fields() guards this.
+SDK_SPAN_FIELDS = ("_name", "_context", "_parent", "_start_time", "_end_time", "_attributes", "_status")
 
-    __slots__ = ("_static", "_heads", "_hex", "_skip_attr_prefix")
+
+def check_sdk_span_fields() -> None:
+    """Raise RuntimeError if this opentelemetry-sdk's spans lack the fields the encoder reads."""
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    missing = [field for field in SDK_SPAN_FIELDS if not hasattr(ReadableSpan(name="probe"), field)]
+    if missing:
+        raise RuntimeError(f"this opentelemetry-sdk's spans lack {', '.join(missing)}; "
+                           "install an opentelemetry-sdk release otel-train supports (see pyproject.toml)")
+
+
+class RecordEncoder:
+    """Encodes span starts/ends, instants and scalars; ``static`` holds the run-context fields.
+
+    A span's ids, step context, run context and thread form its *body*, made once at start
+    (:meth:`span_body`) and shared by its start and end lines.
+    """
+
+    __slots__ = ("_static", "_start_heads", "_end_heads", "_point_heads", "_hex", "_skip_attr_prefix")
 
     def __init__(self, static: Mapping[str, Any], *, skip_attr_prefix: str | None = None) -> None:
         self._static = "".join(_frag(k, v) for k, v in static.items())
-        self._heads: dict[tuple[str, str], str] = {}
+        self._start_heads: dict[str, str] = {}
+        self._end_heads: dict[str, str] = {}
+        self._point_heads: dict[tuple[str, str], str] = {}
         self._hex: tuple[int, str] = (0, "")
         self._skip_attr_prefix = skip_attr_prefix
 
-    def _head(self, kind: str, name: str) -> str:
-        """``,"kind":..,"event":..,"name":..`` for one (kind, name), cached."""
-        key = (kind, name)
-        head = self._heads.get(key)
-        if head is None:
-            if kind == S.SPAN_START:
-                event = name + S.START_SUFFIX
-            elif kind == S.SPAN_END:
-                event = name + S.END_SUFFIX
-            elif kind == S.SCALAR:
-                event = S.SCALAR
-            else:
-                event = name
-            if len(self._heads) > 4096:
-                self._heads.clear()
-            head = self._heads[key] = _frag(S.KIND, kind) + _frag(S.EVENT, event) + _frag(S.NAME, name)
+    def _span_head(self, heads: dict[str, str], kind: str, suffix: str, name: str) -> str:
+        """``,"kind":..,"event":..,"name":..`` of a span record, cached per name."""
+        if len(heads) > 4096:  # names should be low-cardinality; don't grow without bound
+            heads.clear()
+        head = heads[name] = _frag(S.KIND, kind) + _frag(S.EVENT, name + suffix) + _frag(S.NAME, name)
         return head
 
-    def ids(self, span: Any) -> str:
-        """The ``trace_id``/``span_id``/``parent_span_id`` fragment of a span (reused for its end record)."""
-        ctx = span.context
+    def span_body(self, span: Any, state: StepState, tid: int) -> str:
+        """Ids, step context, run context and thread of a span: the part its two lines share."""
+        ctx = span._context
         trace_id = ctx.trace_id
         # Spans mostly arrive in runs of one trace: a one-entry cache saves formatting the trace id.
         last_id, trace_part = self._hex
         if last_id != trace_id:
             trace_part = ',"%s":"%032x"' % (S.TRACE_ID, trace_id)
             self._hex = (trace_id, trace_part)
-        parent = span.parent
+        parent = span._parent
+        step = state.sink_cache
+        if step is None:
+            step = _step_fragment(state)
         if parent is not None:
-            return '%s,"%s":"%016x","%s":"%016x"' % (trace_part, S.SPAN_ID, ctx.span_id, S.PARENT_SPAN_ID,
-                                                    parent.span_id)
-        return '%s,"%s":"%016x"' % (trace_part, S.SPAN_ID, ctx.span_id)
+            return _BODY_WITH_PARENT % (trace_part, ctx.span_id, parent.span_id, step, self._static, tid)
+        return _BODY % (trace_part, ctx.span_id, step, self._static, tid)
 
-    def _point_ids(self, trace_id: int, span_id: int) -> str:
-        if not span_id:
-            return ""
-        return ',"%s":"%032x","%s":"%016x"' % (S.TRACE_ID, trace_id, S.SPAN_ID, span_id)
-
-    def _attrs(self, attributes: Mapping[str, Any] | None) -> str:
-        if not attributes:
-            return ""
+    def _attrs(self, attributes: Mapping[str, Any]) -> str:
         prefix = self._skip_attr_prefix
         attrs = {k: v for k, v in attributes.items()
                  if k != INCOMPLETE_ATTR and (prefix is None or not k.startswith(prefix))}
         return _frag(S.ATTRS, attrs) if attrs else ""
 
-    def _line(self, ts: str, head: str, ids: str, state: StepState, tid: int, seq: int, tail: str) -> bytes:
-        return ('{"v":%d,"ts":%s%s%s%s%s,"tid":%d,"seq":%d%s}\n' % (
-            S.SCHEMA_VERSION, ts, head, ids, _step_fragment(state), self._static, tid, seq, tail)).encode()
-
-    def span_start(self, span: Any, ids: str, state: StepState, tid: int, seq: int, caller: str) -> bytes:
+    def span_start(self, span: Any, body: str, seq: int, caller: str) -> bytes:
         """The ``span_start`` line of an SDK span that has just started."""
-        return self._line(_ts(span.start_time), self._head(S.SPAN_START, span.name), ids, state, tid, seq,
-                          caller + self._attrs(span.attributes))
+        name = span._name
+        head = self._start_heads.get(name) or self._span_head(self._start_heads, S.SPAN_START, S.START_SUFFIX, name)
+        attributes = span._attributes
+        ns = span._start_time
+        return (_START_LINE % (
+            ns // 1_000_000_000, ns // 1000 % 1_000_000, head, body, seq, caller,
+            self._attrs(attributes) if attributes else "")).encode()
 
-    def span_end(self, span: Any, ids: str, state: StepState, tid: int, seq: int) -> bytes:
+    def span_end(self, span: Any, body: str, seq: int) -> bytes:
         """The ``span_end`` line of an SDK span that has just ended."""
-        start, end = span.start_time, span.end_time
-        attributes = span.attributes
+        name = span._name
+        head = self._end_heads.get(name) or self._span_head(self._end_heads, S.SPAN_END, S.END_SUFFIX, name)
+        start, end = span._start_time, span._end_time
+        attributes = span._attributes
         if attributes and attributes.get(INCOMPLETE_ATTR):
             status = _INCOMPLETE
-        elif span.status.status_code is StatusCode.ERROR:
+        elif span._status.status_code is StatusCode.ERROR:
             status = _ERROR + _frag(S.ERROR, _error_of(span))
         else:
             status = _OK
-        return self._line(_ts(end), self._head(S.SPAN_END, span.name), ids, state, tid, seq,
-                          ',"%s":%r%s%s' % (S.DUR_MS, (end - start) / 1e6, status, self._attrs(attributes)))
+        dur_us = (end - start) // 1000
+        return (_END_LINE % (
+            end // 1_000_000_000, end // 1000 % 1_000_000, head, body, seq, dur_us // 1000, dur_us % 1000,
+            status, self._attrs(attributes) if attributes else "")).encode()
 
     def point(self, kind: str, name: str, ts_ns: int, trace_id: int, span_id: int, state: StepState, tid: int,
               seq: int, caller: str, payload_key: str, payload: Mapping[str, Any] | None) -> bytes:
         """An ``instant`` or ``scalar`` line; ids are those of the enclosing span (0 when none)."""
+        key = (kind, name)
+        head = self._point_heads.get(key)
+        if head is None:
+            if len(self._point_heads) > 4096:
+                self._point_heads.clear()
+            event = S.SCALAR if kind == S.SCALAR else name
+            head = self._point_heads[key] = _frag(S.KIND, kind) + _frag(S.EVENT, event) + _frag(S.NAME, name)
+        ids = _POINT_IDS % (trace_id, span_id) if span_id else ""
         body = _frag(payload_key, dict(payload)) if payload else ""
-        return self._line(_ts(ts_ns), self._head(kind, name), self._point_ids(trace_id, span_id), state, tid, seq,
-                          caller + body)
+        return (_POINT_LINE % (
+            ts_ns // 1_000_000_000, ts_ns // 1000 % 1_000_000, head, ids, _step_fragment(state), self._static,
+            tid, seq, caller, body)).encode()
 
 
+# Line templates, spelled from the schema's field names once at import (%% survive as % fields).
+# Timestamps and durations are formatted from integer nanoseconds: exact µs, cheaper than float repr.
+_TS = '{"%s":%d,"%s":%%d.%%06d' % (S.V, S.SCHEMA_VERSION, S.TS)
+_START_LINE = _TS + '%%s%%s,"%s":%%d%%s%%s}\n' % S.SEQ
+_END_LINE = _TS + '%%s%%s,"%s":%%d,"%s":%%d.%%03d%%s%%s}\n' % (S.SEQ, S.DUR_MS)
+_POINT_LINE = _TS + '%%s%%s%%s%%s,"%s":%%d,"%s":%%d%%s%%s}\n' % (S.TID, S.SEQ)
+_BODY = '%%s,"%s":"%%016x"%%s%%s,"%s":%%d' % (S.SPAN_ID, S.TID)
+_BODY_WITH_PARENT = '%%s,"%s":"%%016x","%s":"%%016x"%%s%%s,"%s":%%d' % (S.SPAN_ID, S.PARENT_SPAN_ID, S.TID)
+_POINT_IDS = ',"%s":"%%032x","%s":"%%016x"' % (S.TRACE_ID, S.SPAN_ID)
 _OK = ',"%s":"%s"' % (S.STATUS, S.STATUS_OK)
 _ERROR = ',"%s":"%s"' % (S.STATUS, S.STATUS_ERROR)
 _INCOMPLETE = ',"%s":"%s"' % (S.STATUS, S.STATUS_INCOMPLETE)
-
-
-def _ts(ns: int) -> str:
-    # Unix seconds with exactly µs precision, from the SDK's integer nanoseconds (cheaper than float formatting).
-    us = str(ns // 1000)
-    return us[:-6] + "." + us[-6:]
 
 
 def _error_of(span: Any) -> dict[str, str]:

@@ -21,6 +21,7 @@ from otel_train.exporters.jsonl.encoder import INCOMPLETE_ATTR, CallerFinder, Re
 
 _decode = msgspec.json.decode
 get_native_id = threading.get_native_id
+current_state = step_context.current
 
 RecordHandler = Callable[[dict], None]
 
@@ -48,7 +49,7 @@ class JsonlSpanProcessor(SpanProcessor):
         # Reentrant: shutdown may run from a SIGTERM handler that interrupted a write on this thread.
         self._lock = threading.RLock()
         self._seq = 0
-        self._open: dict[int, tuple[Span, step_context.StepState, str]] = {}
+        self._open: dict[int, tuple[Span, str]] = {}
         self._closed = False
         self.internal_errors = 0
         self.handler_errors = 0
@@ -61,28 +62,23 @@ class JsonlSpanProcessor(SpanProcessor):
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         try:
-            state = step_context.current()
-            ids = self._encoder.ids(span)
-            self._open[span.context.span_id] = (span, state, ids)
+            body = self._encoder.span_body(span, current_state(), get_native_id())
+            self._open[span._context.span_id] = (span, body)
             caller = self._caller() if self._caller is not None else ""
-            tid = get_native_id()
             with self._lock:
                 self._seq += 1
-                self._write(self._encoder.span_start(span, ids, state, tid, self._seq, caller))
+                self._write(self._encoder.span_start(span, body, self._seq, caller))
         except Exception as exc:  # never break training over a trace record
             self._fault("span start", exc)
 
     def on_end(self, span: ReadableSpan) -> None:
         try:
-            entry = self._open.pop(span.context.span_id, None)
-            if entry is None:  # started before this processor existed
-                state, ids = step_context.current(), self._encoder.ids(span)
-            else:
-                _, state, ids = entry
-            tid = get_native_id()
+            entry = self._open.pop(span._context.span_id, None)
+            # A span that started before this processor existed gets its body now.
+            body = entry[1] if entry is not None else self._encoder.span_body(span, current_state(), get_native_id())
             with self._lock:
                 self._seq += 1
-                self._write(self._encoder.span_end(span, ids, state, tid, self._seq))
+                self._write(self._encoder.span_end(span, body, self._seq))
         except Exception as exc:
             self._fault("span end", exc)
 
