@@ -43,6 +43,7 @@ class Tracing:
 
 _tracing: Tracing | None = None
 _call_site = step_context.call_site
+_INVALID_SPAN = trace.INVALID_SPAN
 
 
 class _Span:
@@ -59,7 +60,7 @@ class _Span:
     def __enter__(self) -> trace.Span:
         tracing = _tracing
         if tracing is None:
-            return trace.INVALID_SPAN
+            return _INVALID_SPAN
         if self._span is not None:
             raise RuntimeError(f"otel_train.log_trace_span({self._name!r}) is already entered; use a new one")
         _call_site.frame = sys._getframe(1)
@@ -116,7 +117,7 @@ class _NoopSpan(_Span):
     __slots__ = ()
 
     def __enter__(self) -> trace.Span:
-        return trace.INVALID_SPAN
+        return _INVALID_SPAN
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         return False

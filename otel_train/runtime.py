@@ -44,6 +44,7 @@ from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_proc
 from otel_train.handlers import load_handlers
 from otel_train.phases import STEP
 from otel_train.resource import RunContext, build_resource, detect_run_context
+from otel_train.spans import LeanTracer
 
 TRAINING_ATTR_PREFIX = "training."
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
@@ -209,7 +210,11 @@ def _build(rt: _Runtime) -> None:
     for processor in rt.other_processors + rt.batch_processors:
         provider.add_span_processor(processor)
 
-    tracer = provider.get_tracer("otel_train", __version__)
+    if has_others or settings.handlers:
+        tracer: trace.Tracer = provider.get_tracer("otel_train", __version__)
+    else:
+        # Nothing but the JSONL sink will see these spans: take the lean path (see otel_train.spans).
+        tracer = LeanTracer(rt.jsonl, id_generator)
     start_step = None
     if settings.trace_per_step and ctx.run_id_known:
         start_step = _step_span_starter(tracer, id_generator, ctx.run_id)

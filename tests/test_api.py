@@ -314,3 +314,25 @@ def test_ids_do_not_follow_the_global_random_state(run: Path) -> None:
     ot.shutdown()
     starts = [r for r in records(run) if r["kind"] == "span_start"]
     assert len({r["span_id"] for r in starts}) == 2 and len({r["trace_id"] for r in starts}) == 2
+
+
+def test_user_otel_spans_nest_under_ours_and_attributes_set_inside_land_in_the_end_record(run: Path) -> None:
+    """On the lean path our spans are OTel API spans in the OTel context: user OTel code nests under them."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with ot.log_trace_span("forward") as span:
+        span.set_attribute("tokens", 512)
+        with provider.get_tracer("user").start_as_current_span("user_op"):
+            pass
+    ot.shutdown()
+    (user_span,) = exporter.get_finished_spans()
+    (start,) = spans_by_name(records(run), "span_start")["forward"]
+    (end,) = spans_by_name(records(run), "span_end")["forward"]
+    assert format(user_span.parent.span_id, "016x") == start["span_id"]
+    assert format(user_span.context.trace_id, "032x") == start["trace_id"]
+    assert end["attrs"] == {"tokens": 512} and "attrs" not in start
