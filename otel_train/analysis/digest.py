@@ -14,7 +14,6 @@ from array import array
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -139,47 +138,51 @@ def digest_process(pf: ProcessFiles, attempt: int, progress: Callable[[int], Non
     pop = opened.pop
     phases = d.phases
     parents = d.parents
-    rec: _Rec | None = None
+    last: _Rec | None = None
     first_step = final_step = relative_step = None
     last_closed: str | None = None
     n = 0
-    # The hot loop: one pass, locals only, the common case (a span closing with status ok) inline.
-    for rec in chain.from_iterable(reader.typed_batches(pf, _Rec)):
-        n += 1
-        step = rec.step
-        if step is not None:
-            final_step = step
-            if first_step is None:
-                first_step = step
-            if rec.relative_step is not None:
-                relative_step = rec.relative_step
-        kind = rec.kind
-        if kind == _SPAN_END:
-            started = pop(rec.span_id, None)
-            name = rec.name
-            dur = rec.dur_ms
-            if started is None or dur is None or rec.status not in _PLAIN_END:
-                last_closed = _close_rare(d, rec, started, last_closed)
-                continue
-            series = phases.get(name)
-            if series is None:
-                series = phases[name] = PhaseSeries()
-            sstep = started[2]
-            series.steps.append(NO_STEP if sstep is None else sstep)
-            series.durs.append(dur)
-            if name != STEP:
-                last_closed = name
-        elif kind == _SPAN_START:
-            name = rec.name
-            opened[rec.span_id] = (name, rec.parent_span_id, step, rec.ts)
-            if name not in parents:
-                parent = opened.get(rec.parent_span_id)
-                parents[name] = parent[0] if parent else None
-            if name == STEP:
-                last_closed = None
-        elif kind == _INSTANT and rec.name == schema.INSTANT_PROCESS_END:
-            d.ended_cleanly = True
-    last = rec if n else None
+    # The hot loop: one pass, locals only, the common case (a span closing with status ok) inline;
+    # the step context is taken from each chunk's last records instead of tracked per record.
+    for items in reader.typed_batches(pf, _Rec):
+        if not items:
+            continue
+        n += len(items)
+        last = items[-1]
+        for rec in items:
+            kind = rec.kind
+            if kind == _SPAN_END:
+                started = pop(rec.span_id, None)
+                name = rec.name
+                dur = rec.dur_ms
+                if started is None or dur is None or rec.status not in _PLAIN_END:
+                    last_closed = _close_rare(d, rec, started, last_closed)
+                    continue
+                series = phases.get(name)
+                if series is None:
+                    series = phases[name] = PhaseSeries()
+                sstep = started[2]
+                series.steps.append(NO_STEP if sstep is None else sstep)
+                series.durs.append(dur)
+                if name != STEP:
+                    last_closed = name
+            elif kind == _SPAN_START:
+                name = rec.name
+                opened[rec.span_id] = (name, rec.parent_span_id, rec.step, rec.ts)
+                if name not in parents:
+                    parent = opened.get(rec.parent_span_id)
+                    parents[name] = parent[0] if parent else None
+                if name == STEP:
+                    last_closed = None
+            elif kind == _INSTANT and rec.name == schema.INSTANT_PROCESS_END:
+                d.ended_cleanly = True
+        if first_step is None:
+            first_step = next((r.step for r in items if r.step is not None), None)
+        final_step = next((r.step for r in reversed(items) if r.step is not None), final_step)
+        relative_step = next(
+            (r.relative_step for r in reversed(items) if r.step is not None and r.relative_step is not None),
+            relative_step,
+        )
     d.records = n
     d.malformed = reader.malformed_lines
     d.first_step, d.final_step, d.relative_step, d.last_closed = first_step, final_step, relative_step, last_closed

@@ -192,7 +192,7 @@ class Reader:
                     # Something in this chunk is bad: decode line by line to lose only the bad lines.
                     items = []
                     first_line = _line_number(path, offset)
-                    for index, line in enumerate(chunk.split(b"\n")):
+                    for index, line in enumerate(bytes(chunk).split(b"\n")):
                         if not line.strip():
                             continue
                         try:
@@ -216,8 +216,12 @@ class Reader:
                     self._progress(len(chunk))
 
 
-def _chunks(path: Path, warn: Callable[[str], None]) -> Iterator[tuple[int, bytes]]:
-    """``(byte offset, bytes)`` pieces of a file, each ending at a line break (but the torn tail)."""
+def _chunks(path: Path, warn: Callable[[str], None]) -> Iterator[tuple[int, bytes | memoryview]]:
+    """``(byte offset, buffer)`` pieces of a file, each ending at a line break (but the torn tail).
+
+    A line cut by a block boundary is yielded alone (the tail of the previous block joined to the
+    head of this one), so the bulk of every block goes out as a view, never copied.
+    """
     try:
         f = path.open("rb")
     except OSError as exc:
@@ -231,14 +235,20 @@ def _chunks(path: Path, warn: Callable[[str], None]) -> Iterator[tuple[int, byte
             block = f.read(_CHUNK_BYTES)
             if not block:
                 break
-            buf = tail + block if tail else block
-            cut = buf.rfind(b"\n")
+            cut = block.rfind(b"\n")
             if cut < 0:
-                tail = buf
+                tail += block
                 continue
-            chunk, tail = buf[: cut + 1], buf[cut + 1 :]
-            yield offset, chunk
-            offset += len(chunk)
+            start = 0
+            if tail:
+                start = block.find(b"\n") + 1
+                joined = tail + block[:start]
+                yield offset, joined
+                offset += len(joined)
+            if start <= cut:
+                yield offset, memoryview(block)[start : cut + 1]
+                offset += cut + 1 - start
+            tail = block[cut + 1 :]
         if tail:
             yield offset, tail
 
