@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -231,3 +234,89 @@ def test_malformed_lines_are_counted(tmp_path: Path) -> None:
     summary = summarize(tmp_path, warn=warnings.append)
     assert summary["malformed_lines"] == 4 and len(warnings) == 2
     assert all(p["last_event"] == "step_end" for p in summary["processes"])  # process_end line was torn
+
+
+GLOO_CLOSED = (
+    "[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:40840. "
+    "This is typically caused by a remote worker crashing."
+)
+
+
+def test_peers_whose_collective_fails_after_the_culprit_raised_are_victims(tmp_path: Path) -> None:
+    procs = _ranks()
+    for p in procs:
+        p.steps(range(5))
+    procs[1].fail(5, FORWARD, "RuntimeError", "injected failure")
+    for p in procs:
+        if p.rank != 1:
+            p.advance(40.0)  # they reach backward's all-reduce, which dies when rank 1 exits
+            p.fail(5, BACKWARD, "RuntimeError", GLOO_CLOSED)
+        p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path, warn=pytest.fail)
+    assert _kinds(summary) == [("error", 1)]
+    (f,) = summary["findings"]
+    assert (f["phase"], f["step"], f["victims"]) == (FORWARD, 5, [0, 2, 3])
+    assert "injected failure" in f["message"] and "peers 0,2,3 then failed in backward" in f["message"]
+
+
+def test_a_later_error_outside_a_collective_is_still_its_own_finding(tmp_path: Path) -> None:
+    procs = _ranks(world=2)
+    for p in procs:
+        p.steps(range(3))
+    procs[0].fail(3, FORWARD, "ValueError", "bad batch")
+    procs[1].advance(20.0)
+    procs[1].fail(3, OPTIMIZER, "FloatingPointError", "nan in grad")  # not a collective: a bug of its own
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path, warn=pytest.fail)
+    assert _kinds(summary) == [("error", 0), ("error", 1)]
+    assert all("victims" not in f for f in summary["findings"])
+
+
+def test_when_every_error_is_a_collective_failure_the_first_one_is_named(tmp_path: Path) -> None:
+    procs = _ranks(world=2)
+    for p in procs:
+        p.steps(range(3))
+    procs[1].advance(5.0)  # rank 1's all-reduce times out later than rank 0's
+    for p in procs:
+        p.fail(3, BACKWARD, "DistBackendError", "NCCL communicator was aborted: watchdog timeout")
+        p.shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path, warn=pytest.fail)
+    assert _kinds(summary) == [("error", 0)] and summary["findings"][0]["victims"] == [1]
+
+
+@pytest.mark.timeout(60)
+def test_real_torchrun_failure_names_the_failing_rank_not_its_peer(tmp_path: Path) -> None:
+    pytest.importorskip("torch.distributed")
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OMP_NUM_THREADS"] = "1"
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
+         "--save-path", str(run), "--steps", "3", "--fail-rank", "1", "--fail-step", "1", "--eval-every", "0",
+         "--checkpoint-every", "0", "--timeout-s", "10"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=50,
+    )
+    assert done.returncode != 0
+    summary = summarize(run, warn=pytest.fail)
+    assert [(f["kind"], f["rank"], f["phase"]) for f in summary["findings"]] == [("error", 1, FORWARD)], summary
+
+
+def test_peers_the_launcher_stopped_after_a_rank_raised_are_victims(tmp_path: Path) -> None:
+    procs = _ranks(world=2)
+    for p in procs:
+        p.steps(range(5))
+    procs[1].fail(5, FORWARD, "RuntimeError", "injected failure")
+    procs[1].shutdown()
+    procs[0].set_step(5)
+    procs[0].start("step")
+    procs[0].start(BACKWARD)  # waits in the all-reduce until torchrun's SIGTERM
+    procs[0].advance(30.0)
+    procs[0].shutdown()
+    write_run(tmp_path, procs)
+    summary = summarize(tmp_path, warn=pytest.fail)
+    assert _kinds(summary) == [("error", 1)]

@@ -23,6 +23,7 @@ Findings (``kind``), decided per group of processes that ran together (same sour
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -220,6 +221,9 @@ def _stop_findings(
     culprits = list(died_outside)
     if not stopped or died_outside:
         return culprits, found  # stopped ranks, if any, were waiting for the crashed one
+    failed = _fatal_error_before(stopped, others)
+    if failed is not None:
+        return [failed], found  # the launcher stopped the peers after this rank raised: victims
     pos = {id(d): _position(d, order) for d in stopped}
     lowest = min(pos.values())
     behind = [d for d in stopped if pos[id(d)] == lowest]
@@ -251,6 +255,18 @@ def _stop_findings(
     return culprits, found
 
 
+def _fatal_error_before(stopped: list[ProcessDigest], others: list[ProcessDigest]) -> ProcessDigest | None:
+    """A rank that did not stop inside a span but raised (outside a collective) in its last step
+    before any stopped rank's last record: the stopped ranks were waiting for it, then killed."""
+    errors = {id(d): [e for e in _innermost_errors(d) if e.step == d.final_step] for d in others}
+    first = _first_error(errors, others)
+    if first is None or is_collective_failure(first[1].error_type, first[1].message):
+        return None
+    if all(first[1].ts <= (d.last_ts or 0.0) for d in stopped):
+        return first[0]
+    return None
+
+
 def _all_stopped(stopped: list[ProcessDigest]) -> dict[str, Any]:
     first = stopped[0]
     step, phase = _where(first)
@@ -275,17 +291,53 @@ def _innermost_errors(d: ProcessDigest) -> list[ErrorSpan]:
     return [e for e in d.errors if e.span_id not in parents]
 
 
+_COLLECTIVE_FAILURE = re.compile(
+    r"gloo|nccl|closed by peer|connection (?:closed|reset|refused)|broken pipe|timed out|timeout|watchdog"
+    r"|process ?group|collective|Dist(?:Backend|Network|Store)Error",
+    re.IGNORECASE,
+)
+"""An error that a rank gets when a peer of its collective died or never arrived (gloo, NCCL, c10d)."""
+
+
+def is_collective_failure(error_type: str, message: str) -> bool:
+    """Whether an exception looks like a failed collective (a peer died or never arrived)."""
+    return _COLLECTIVE_FAILURE.search(f"{error_type}: {message}") is not None
+
+
+def _first_error(errors: dict[int, list[ErrorSpan]], group: list[ProcessDigest]) -> tuple[ProcessDigest, ErrorSpan] | None:
+    """The error that came first, preferring one raised outside a collective: its rank is the culprit."""
+    found = [(e.ts, i, d, e) for i, d in enumerate(group) for e in errors[id(d)]]
+    own = [f for f in found if not is_collective_failure(f[3].error_type, f[3].message)]
+    first = min(own or found, default=None, key=lambda f: (f[0], f[1]))
+    return None if first is None else (first[2], first[3])
+
+
 def _error_findings(group: list[ProcessDigest], culprits: list[ProcessDigest]) -> list[dict[str, Any]]:
+    """One finding per (rank, innermost failing span, exception type), culprits only.
+
+    Dropped as victims: a rank's errors after a hang/crash culprit stopped, and collective failures
+    ("Connection closed by peer", NCCL/gloo errors, timeouts) raised after another rank's first error;
+    the culprit's finding names those ranks.
+    """
     stop_ts = min(
         ((c.innermost.start_ts if c.innermost else c.last_ts) or 0.0 for c in culprits), default=None
     )
+    errors = {id(d): _innermost_errors(d) for d in group}
+    first = _first_error(errors, group)
+    victims: list[tuple[ProcessDigest, ErrorSpan]] = []
     out = []
+    culprit_finding: dict[str, Any] | None = None
     for d in group:
         victim = stop_ts is not None and d not in culprits
         by_key: dict[tuple[str, str], list[ErrorSpan]] = {}
-        for e in _innermost_errors(d):
+        for e in errors[id(d)]:
             if victim and e.ts >= stop_ts:  # type: ignore[operator]
                 continue  # e.g. a collective timing out because the culprit never arrived
+            if first is not None and d is not first[0] and e.ts >= first[1].ts and is_collective_failure(
+                e.error_type, e.message
+            ):
+                victims.append((d, e))  # its all-reduce failed because the first rank to fail went away
+                continue
             by_key.setdefault((e.name, e.error_type), []).append(e)
         for (name, etype), errs in by_key.items():
             e = errs[0]
@@ -297,6 +349,15 @@ def _error_findings(group: list[ProcessDigest], culprits: list[ProcessDigest]) -
                     count=len(errs),
                 )
             )
+            if first is not None and first[1] in errs:
+                culprit_finding = out[-1]
+    if victims and culprit_finding is not None:
+        ranks = sorted({d.rank for d, _ in victims})
+        places = "/".join(sorted({e.name for _, e in victims}))
+        culprit_finding["message"] += (
+            f"; peers {','.join(map(str, ranks))} then failed in {places} with collective errors (victims)"
+        )
+        culprit_finding["victims"] = ranks
     return out
 
 
