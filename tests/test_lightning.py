@@ -61,9 +61,9 @@ def _fit(root: Path, callbacks: list[pl.Callback], fail_at: int | None = None) -
     trainer = pl.Trainer(accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=True,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
                          val_check_interval=2, default_root_dir=root,
-                         # No sanity check: its isolate_rng() rewinds the global ``random`` that OTel's
-                         # id generator uses, so spans after it would repeat ids (a runtime issue).
-                         num_sanity_val_steps=0,
+                         # The sanity check runs inside isolate_rng(), which rewinds the global
+                         # ``random``: span ids must not repeat after it (the runtime's ids are private).
+                         num_sanity_val_steps=1,
                          callbacks=callbacks)
     trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
     return trainer, model
@@ -76,8 +76,6 @@ def _records(root: Path) -> list[dict[str, Any]]:
 
 
 def _key(record: dict[str, Any], field: str = S.SPAN_ID) -> tuple[str, str]:
-    # A span is (trace_id, span_id): Lightning's isolate_rng() around the sanity check rewinds the
-    # global ``random`` that OTel's id generator draws from, so a span id alone can repeat.
     return record[S.TRACE_ID], record.get(field, "")
 
 
@@ -142,8 +140,10 @@ def test_fit_writes_steps_phases_eval_and_checkpoint(traced: Path, tmp_path_fact
         assert scalars[0][S.SPAN_ID] in {k["start"][S.SPAN_ID] for k in kids}  # inside a phase, not loose
 
     evals = [s for s in spans.values() if s["start"][S.NAME] == phases.EVAL]
-    assert [e["start"][S.ATTRS]["stage"] for e in evals] == ["validate"]
-    assert evals[0]["start"][S.STEP] == 1  # after the second batch (val_check_interval=2)
+    assert [e["start"][S.ATTRS]["stage"] for e in evals] == ["sanity_check", "validate"]
+    assert evals[1]["start"][S.STEP] == 1  # after the second batch (val_check_interval=2)
+    starts = [r for r in records if r[S.KIND] == S.SPAN_START]
+    assert len({r[S.SPAN_ID] for r in starts}) == len(starts)  # isolate_rng() cannot make ids repeat
     assert all("parent_span_id" not in e["start"] for e in evals)  # validation runs between steps
     checkpoints = [s for s in spans.values() if s["start"][S.NAME] == phases.CHECKPOINT]
     assert checkpoints and all(c["end"][S.STATUS] == S.STATUS_OK for c in checkpoints)
