@@ -6,6 +6,7 @@ lazily when a module or optimizer (which can only exist once torch is imported) 
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from collections.abc import Mapping
@@ -67,6 +68,31 @@ def batch_stats(batch: Any, *, max_tensors: int = 4) -> dict[str, int]:
         for j, d in enumerate(shape[:_MAX_DIMS]):
             stats[f"input{i}.dim{j}"] = d
     return stats
+
+
+def log_batch_stats(batch: Any) -> None:
+    """Record ``batch_stats(batch)`` as scalars (nothing for a batch without tensor-likes)."""
+    stats = batch_stats(batch)
+    if stats:
+        ot.log_trace_scalar(stats)
+
+
+class FirstFailureGuard:
+    """Runs an integration's tracing calls: tracing must never break training, so the first failure
+    is logged once (with what may now be missing) and later ones pass quietly."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._logger = logger
+        self.failed = False
+
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001
+            if not self.failed:
+                self.failed = True
+                self._logger.warning("%s: tracing error ignored (%s: %s); spans may be missing",
+                                     self._logger.name, type(exc).__name__, exc)
 
 
 def is_compiling() -> bool:

@@ -86,7 +86,7 @@ class _Tracer:
         self._eval: Any = None
         # (action, span, the exception being handled when it started: not this action's failure)
         self._action_spans: list[tuple[str, Any, BaseException | None]] = []
-        self._failed = False
+        self.guarded = _phases.FirstFailureGuard(_log)
 
     # -- classification -------------------------------------------------------------------------
 
@@ -189,16 +189,6 @@ class _Tracer:
             _exit(self._eval, exc)
             self._eval = None
 
-    def guarded(self, fn: Any, *args: Any) -> None:
-        # Tracing must never break training: report the first failure, then keep going quietly.
-        try:
-            fn(*args)
-        except Exception as exc:  # noqa: BLE001
-            if not self._failed:
-                self._failed = True
-                _log.warning("otel_train.lightning: tracing error ignored (%s: %s); spans may be missing",
-                             type(exc).__name__, exc)
-
 
 class _TraceProfiler:
     """Stands in for ``trainer.profiler``: forwards every call to the user's profiler and every
@@ -264,7 +254,7 @@ class TraceCallback(pl.Callback):
                              batch_idx: int) -> None:
         every = self._stats_every
         if self._tracer is not None and every and trainer.global_step % every == 0:
-            self._tracer.guarded(_log_batch_stats, batch)
+            self._tracer.guarded(_phases.log_batch_stats, batch)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # An unsized loader's final fetch finds no batch: end the step it opened.
@@ -277,12 +267,6 @@ class TraceCallback(pl.Callback):
         if self._tracer is not None:
             self._tracer.guarded(self._tracer.close_all, exception)
             self.teardown(trainer, pl_module, "")
-
-
-def _log_batch_stats(batch: Any) -> None:
-    stats = _phases.batch_stats(batch)
-    if stats:
-        ot.log_trace_scalar(stats)
 
 
 def _overrides(callback: pl.Callback, hook: str) -> bool:

@@ -64,9 +64,7 @@ class _TracedIterator:
             index = self._fetches if step is None else step
             self._fetches += 1
             if index % self._every == 0:
-                stats = _phases.batch_stats(batch)
-                if stats:
-                    ot.log_trace_scalar(stats)
+                _phases.log_batch_stats(batch)
         return batch
 
     def __len__(self) -> int:

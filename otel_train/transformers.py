@@ -58,7 +58,7 @@ class TraceCallback(transformers.TrainerCallback):
         self._phase_name: str | None = None
         self._between: Any = None  # the open eval or checkpoint span
         self._between_name: str | None = None
-        self._failed = False
+        self._guarded = _phases.FirstFailureGuard(_log)
 
     # -- Trainer events -----------------------------------------------------------------------
 
@@ -131,7 +131,7 @@ class TraceCallback(transformers.TrainerCallback):
         step = self._stats_step
         if every and self._step is not None and step is not None and step % every == 0:
             self._stats_step = None  # once per step: the first micro-batch
-            self._guarded(_log_batch_stats, kwargs or args)
+            self._guarded(_phases.log_batch_stats, kwargs or args)
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
         if _phases.is_compiling() or not module.training or self._step is None:
@@ -182,15 +182,6 @@ class TraceCallback(transformers.TrainerCallback):
             self._between.__exit__(None, None, None)
             self._between, self._between_name = None, None
 
-    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
-        # Tracing must never break training: report the first failure, then keep going quietly.
-        try:
-            fn(*args)
-        except Exception as exc:  # noqa: BLE001
-            if not self._failed:
-                self._failed = True
-                _log.warning("otel_train.transformers: tracing error ignored (%s: %s); spans may be missing",
-                             type(exc).__name__, exc)
 
 
 def instrument(trainer: transformers.Trainer) -> TraceCallback:
@@ -226,12 +217,6 @@ def _traced(method: Callable[..., Any], callback_name: str, event: str) -> Calla
 
     traced._otel_train_traced = True  # type: ignore[attr-defined]
     return traced
-
-
-def _log_batch_stats(batch: Any) -> None:
-    stats = _phases.batch_stats(batch)
-    if stats:
-        ot.log_trace_scalar(stats)
 
 
 def _enter(name: str, attrs: dict[str, Any]) -> Any:

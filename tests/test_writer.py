@@ -11,7 +11,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -198,27 +197,6 @@ def test_directory_deleted_underneath(
     assert w.write(record(99))
     w.close()
     assert seqs(path.read_bytes()) == [99]
-
-
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    try:
-        proc = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        pytest.skip(f"cannot mount a tmpfs to provoke ENOSPC: {exc}")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to provoke ENOSPC (needs root/CAP_SYS_ADMIN): {proc.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
 
 
 def test_enospc_drops_warns_once_and_recovers_with_isolated_fragment(

@@ -34,7 +34,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Status
+from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans, Status
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from otel_train import schema
@@ -573,6 +573,21 @@ def parse_headers(pairs: Iterable[str]) -> dict[str, str]:
 # Replay (whole files) and follow (live files)
 
 
+def _shipper(sender: Sender, stats: ReplayStats,
+             on_spans: Callable[[int], None] | None) -> Callable[[ExportTraceServiceRequest], None]:
+    """Sends non-empty requests, counting them and reporting each one's span count to ``on_spans``."""
+
+    def ship(request: ExportTraceServiceRequest) -> None:
+        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        if n:
+            sender.send(request)
+            stats.requests += 1
+            if on_spans is not None:
+                on_spans(n)
+
+    return ship
+
+
 def replay(
     path: str | Path,
     sender: Sender,
@@ -587,13 +602,7 @@ def replay(
     stats = ReplayStats()
     batcher = RequestBatcher(service_name, batch_spans, extra_resource)
 
-    def ship(request: ExportTraceServiceRequest) -> None:
-        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-        if n:
-            sender.send(request)
-            stats.requests += 1
-            if on_spans is not None:
-                on_spans(n)
+    ship = _shipper(sender, stats, on_spans)
 
     for meta, spans in iter_process_spans(path, reader or Reader(), stats):
         for request in batcher.add(meta, spans):
@@ -716,13 +725,7 @@ def follow(
     assemblers: dict[tuple[str, int, str], SpanAssembler] = {}
     batcher = RequestBatcher(service_name, batch_spans, extra_resource)
 
-    def ship(request: ExportTraceServiceRequest) -> None:
-        n = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-        if n:
-            sender.send(request)
-            stats.requests += 1
-            if on_spans is not None:
-                on_spans(n)
+    ship = _shipper(sender, stats, on_spans)
 
     last_activity = time.monotonic()
     while True:
