@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO
@@ -21,9 +23,10 @@ import msgspec
 
 from otel_train import schema
 from otel_train._version import __version__
-from otel_train.analysis.model import ProcessTrace, Span, iter_process_traces
-from otel_train.analysis.reader import Reader, find_process_files, logs_dir
-from otel_train.analysis.tracks import ExportResult, ProcessLayout, is_incomplete, layout_process
+from otel_train.analysis.digest import PARALLEL_MIN_BYTES, pool_context
+from otel_train.analysis.model import ProcessTrace, build_process_trace, iter_process_traces, process_order
+from otel_train.analysis.reader import ProcessFiles, Reader, find_process_files, logs_dir
+from otel_train.analysis.tracks import ExportResult, ProcessLayout, layout_process
 
 FORMATS = ("chrome", "perfetto")
 ANALYSIS_DIR = "analysis"
@@ -58,27 +61,30 @@ def export_trace(
     ranks: set[int] | None = None,
     steps: tuple[int, int] | None = None,
     reader: Reader | None = None,
+    workers: int | None = None,
 ) -> ExportResult:
     """Write the run at ``path`` as ``fmt`` (``chrome`` JSON or ``perfetto`` protobuf) to ``output``.
 
     Raises TraceReadError when ``path`` holds no trace files, ValueError for an unknown format. The
     file is written next to ``output`` and renamed into place, so a failed export leaves no torn file.
+    ``workers`` (default: CPU count) > 1 renders the processes of a large run in parallel (Chrome JSON).
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(FORMATS)}")
     reader = reader if reader is not None else Reader()
     out = Path(output) if output is not None else default_output(path, fmt)
     origin = trace_origin(path, ranks)
-    traces = iter_process_traces(path, reader, ranks=ranks, steps=steps)
+    order = process_order(path, ranks)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
         if fmt == "chrome":
-            with tmp.open("w", encoding="utf-8", buffering=1 << 20) as f:
-                counts = write_chrome(traces, f, origin=origin, reader=reader)
+            with tmp.open("wb", buffering=1 << 20) as fb:
+                counts = _write_chrome_run(order, fb, origin, reader, steps, workers)
         else:
             from otel_train.analysis.perfetto import write_perfetto
 
+            traces = iter_process_traces(path, reader, ranks=ranks, steps=steps)
             with tmp.open("wb", buffering=1 << 20) as fb:
                 counts = write_perfetto(traces, fb)
         os.replace(tmp, out)
@@ -113,38 +119,109 @@ def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:
     return 0.0 if best == math.inf else best
 
 
+_HEAD = b'{"displayTimeUnit":"ms","traceEvents":[\n'
+_SEP = b",\n"
+
+
 def write_chrome(
-    traces: Iterable[ProcessTrace], f: IO[str], *, origin: float, reader: Reader | None = None
+    traces: Iterable[ProcessTrace], f: IO[bytes], *, origin: float, reader: Reader | None = None
 ) -> tuple[int, int, int, int]:
-    """Stream ``traces`` as one Chrome trace JSON object; returns (slices, instants, counters, processes)."""
+    """Stream ``traces`` as one Chrome trace JSON object (UTF-8) to the binary file ``f``.
+
+    Returns (slices, instants, counters, processes).
+    """
     origin_us = int(origin * 1e6)
-    f.write('{"displayTimeUnit":"ms","traceEvents":[\n')
-    slices = instants = counters = processes = 0
-    first = True
+    f.write(_HEAD)
+    totals = [0, 0, 0, 0]
     for index, trace in enumerate(traces):
-        lay = layout_process(trace, index)
-        events: list[str] = []
-        _metadata(lay, events)
-        slices += _slices(lay, origin_us, events)
-        instants += _instants(lay, origin_us, events)
-        counters += _counters(lay, origin_us, events)
-        if not first:
-            f.write(",\n")
-        f.write(",\n".join(events))
-        first = False
-        processes += 1
+        text, counts = render_process(trace, index, origin_us)
+        if index:
+            f.write(_SEP)
+        f.write(text.encode())
+        totals = [a + b for a, b in zip(totals, counts)]
+    _write_tail(f, origin_us, totals[3], reader.malformed_lines if reader is not None else 0)
+    return totals[0], totals[1], totals[2], totals[3]
+
+
+def _write_tail(f: IO[bytes], origin_us: int, processes: int, malformed: int) -> None:
     other = {
         "generator": f"otel-train {__version__}",
         "trace_start_unix_us": origin_us,
         "trace_start_utc": datetime.fromtimestamp(origin_us / 1e6, timezone.utc).isoformat(),
         "time_unit": "us since trace_start_unix_us",
         "processes": processes,
-        "malformed_lines": reader.malformed_lines if reader is not None else 0,
+        "malformed_lines": malformed,
     }
-    f.write('\n],"otherData":')
-    f.write(_encode(other).decode())
-    f.write("}\n")
-    return slices, instants, counters, processes
+    f.write(b'\n],"otherData":' + _encode(other) + b"}\n")
+
+
+def render_process(trace: ProcessTrace, index: int, origin_us: int) -> tuple[str, tuple[int, int, int, int]]:
+    """One process's events as Chrome JSON text (comma separated) and its counts
+    (slices, instants, counters, 1); ``index`` is its place in the export (synthetic pid ``index + 1``)."""
+    lay = layout_process(trace, index)
+    events: list[str] = []
+    _metadata(lay, events)
+    slices = _slices(lay, origin_us, events)
+    instants = _instants(lay, origin_us, events)
+    counters = _counters(lay, origin_us, events)
+    return ",\n".join(events), (slices, instants, counters, 1)
+
+
+def _write_chrome_run(
+    order: list[tuple[ProcessFiles, int]],
+    f: IO[bytes],
+    origin: float,
+    reader: Reader,
+    steps: tuple[int, int] | None,
+    workers: int | None,
+) -> tuple[int, int, int, int]:
+    """The whole run as Chrome JSON: in this process, or for a large run by a pool of workers that
+    each render whole processes into part files, which are appended here in order."""
+    sizes = [pf.size for pf, _ in order]
+    workers = min(workers or os.cpu_count() or 1, len(order))
+    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
+        traces = (
+            t for t in (build_process_trace(pf, attempt, reader, steps) for pf, attempt in order) if t is not None
+        )
+        return write_chrome(traces, f, origin=origin, reader=reader)
+    origin_us = int(origin * 1e6)
+    part = Path(f.name).with_suffix(".part")  # type: ignore[attr-defined]
+    tasks = [(pf, attempt, index, origin_us, steps, f"{part}{index}") for index, (pf, attempt) in enumerate(order)]
+    f.write(_HEAD)
+    totals = [0, 0, 0, 0]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
+            for size, (counts, malformed, warnings, part_path) in zip(sizes, pool.map(_render_task, tasks)):
+                reader.absorb(malformed, warnings, size)
+                if part_path is None:
+                    continue
+                if totals[3]:
+                    f.write(_SEP)
+                with open(part_path, "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 20)
+                os.unlink(part_path)
+                totals = [a + b for a, b in zip(totals, counts)]
+    finally:
+        for task in tasks:
+            Path(task[-1]).unlink(missing_ok=True)
+    _write_tail(f, origin_us, totals[3], reader.malformed_lines)
+    return totals[0], totals[1], totals[2], totals[3]
+
+
+def _render_task(
+    task: tuple[ProcessFiles, int, int, int, tuple[int, int] | None, str],
+) -> tuple[tuple[int, int, int, int], int, list[str], str | None]:
+    """Worker: build, lay out and render one process into ``part_path``; (counts, malformed, warnings, path)."""
+    pf, attempt, index, origin_us, steps, part_path = task
+    warnings: list[str] = []
+    reader = Reader(warn=warnings.append)
+    trace = build_process_trace(pf, attempt, reader, steps)
+    if trace is None:
+        return (0, 0, 0, 0), reader.malformed_lines, warnings, None
+    text, counts = render_process(trace, index, origin_us)
+    with open(part_path, "wb") as out:
+        out.write(text.encode())
+    return counts, reader.malformed_lines, warnings, part_path
 
 
 def track_tid(lay: ProcessLayout, track_index: int) -> int:
@@ -171,35 +248,30 @@ def _metadata(lay: ProcessLayout, events: list[str]) -> None:
 def _slices(lay: ProcessLayout, origin_us: int, events: list[str]) -> int:
     pid = lay.pid
     base_tid = pid * TID_STRIDE + 1
-    names: dict[str, str] = {}
+    heads: dict[str, str] = {}
     append = events.append
+    incomplete, error = schema.STATUS_INCOMPLETE, schema.STATUS_ERROR
+    # The hot loop: one f-string per slice, the constant head of each name encoded once.
     for span, end, track in zip(lay.trace.spans, lay.ends, lay.span_tracks):
-        nm = names.get(span.name)
-        if nm is None:
-            nm = names[span.name] = _encode(span.name).decode()
+        name = span.name
+        head = heads.get(name)
+        if head is None:
+            head = heads[name] = f'{{"ph":"X","name":{_encode(name).decode()},"cat":"span","ts":'
         ts = int(span.start_ts * 1e6 + 0.5) - origin_us
         dur = int(end * 1e6 + 0.5) - origin_us - ts
-        args = _span_args(span, is_incomplete(span))
-        cname = f',"cname":"{ERROR_CNAME}"' if span.error is not None or span.status == schema.STATUS_ERROR else ""
-        append(
-            f'{{"ph":"X","name":{nm},"cat":"span","ts":{ts},"dur":{dur},"pid":{pid},'
-            f'"tid":{base_tid + track},"args":{args}{cname}}}'
-        )
+        step, status, attrs, err = span.step, span.status, span.attrs, span.error
+        args = f'"span_id":"{span.span_id}","status":"{status}"'
+        if step is not None:
+            args = f'"step":{int(step)},{args}'
+        if attrs:
+            args += "," + _encode(attrs).decode()[1:-1]
+        if err is not None:
+            args += ',"error":' + _encode(err).decode()
+        if span.end_ts is None or status == incomplete:
+            args += ',"incomplete":true'
+        cname = f',"cname":"{ERROR_CNAME}"' if err is not None or status == error else ""
+        append(f'{head}{ts},"dur":{dur},"pid":{pid},"tid":{base_tid + track},"args":{{{args}}}{cname}}}')
     return len(lay.trace.spans)
-
-
-def _span_args(span: Span, incomplete: bool) -> str:
-    """``{"step":…,"span_id":…,"status":…, attrs…, "error":…, "incomplete":true}``."""
-    head = f'"span_id":"{span.span_id}","status":"{span.status}"'
-    if span.step is not None:
-        head = f'"step":{int(span.step)},{head}'
-    if span.attrs:
-        head += "," + _encode(span.attrs).decode()[1:-1]
-    if span.error is not None:
-        head += ',"error":' + _encode(span.error).decode()
-    if incomplete:
-        head += ',"incomplete":true'
-    return "{" + head + "}"
 
 
 def _instants(lay: ProcessLayout, origin_us: int, events: list[str]) -> int:

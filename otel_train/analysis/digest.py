@@ -27,7 +27,8 @@ from otel_train.phases import STEP, STEP_PHASES
 NO_STEP = -1
 """Step column value for a span recorded outside any step."""
 
-_PARALLEL_MIN_BYTES = 32 << 20
+PARALLEL_MIN_BYTES = 32 << 20
+"""Runs at least this big are read by a process pool (below it, starting workers costs more than it saves)."""
 
 
 class _Rec(msgspec.Struct, gc=False):
@@ -287,8 +288,8 @@ def load_run(
     sizes = {pf: pf.size for pf in pfs}
     workers = min(workers or os.cpu_count() or 1, len(tasks))
     digests: list[ProcessDigest] = []
-    if workers > 1 and sum(sizes.values()) >= _PARALLEL_MIN_BYTES:
-        with ProcessPoolExecutor(workers, mp_context=_mp_context()) as pool:
+    if workers > 1 and sum(sizes.values()) >= PARALLEL_MIN_BYTES:
+        with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
             for (pf, _), d in zip(tasks, pool.map(_digest_task, tasks)):
                 if progress is not None:
                     progress(sizes[pf])
@@ -310,7 +311,8 @@ def _emit(lines: Iterable[str], warn: Callable[[str], None]) -> None:
         warn(line)
 
 
-def _mp_context() -> multiprocessing.context.BaseContext:
+def pool_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context for analysis pools."""
     # fork is cheapest, but forking a process that runs other threads can deadlock them.
     if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("fork")

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import islice
+from operator import attrgetter
 from pathlib import Path
+from typing import Any
+
+import msgspec
+from msgspec.structs import asdict
 
 from otel_train import schema
 from otel_train.analysis.reader import ProcessFiles, Reader, assign_attempts, find_process_files
@@ -13,9 +19,12 @@ STATUS_OPEN = "open"
 """A span with a start record and no end record at all (the process died inside it)."""
 
 
-@dataclass(slots=True)
-class Span:
-    """One span. ``end_ts`` is None while open; ``status``: ok, error, incomplete, or open."""
+class Span(msgspec.Struct, gc=False):
+    """One span. ``end_ts`` is None while open; ``status``: ok, error, incomplete, or open.
+
+    A msgspec Struct rather than a dataclass: a big run builds hundreds of thousands of them, and
+    Struct construction is C code; ``gc=False`` because decoded JSON holds no reference cycles.
+    """
 
     name: str
     span_id: str
@@ -26,7 +35,7 @@ class Span:
     status: str
     tid: int | None
     step: int | None
-    attrs: dict = field(default_factory=dict)
+    attrs: dict = msgspec.field(default_factory=dict)
     error: dict | None = None
 
     @property
@@ -42,7 +51,11 @@ class Span:
 
 @dataclass(slots=True)
 class ProcessTrace:
-    """Everything one process attempt wrote; ``ended_cleanly`` means a process_end instant was seen."""
+    """Everything one process attempt wrote; ``ended_cleanly`` means a process_end instant was seen.
+
+    ``instants`` and ``scalars`` are dicts of the record fields the analysis reads (``_Rec``'s fields,
+    None when absent); other fields are not decoded.
+    """
 
     source: str
     rank: int
@@ -71,62 +84,107 @@ def iter_process_traces(
     without a step are kept when they overlap the time window covered by the in-range records.
     Raises TraceReadError when ``path`` holds no trace files.
     """
+    for pf, attempt in process_order(path, ranks):
+        trace = build_process_trace(pf, attempt, reader, steps)
+        if trace is not None:
+            yield trace
+
+
+def process_order(path: str | Path, ranks: set[int] | None = None) -> list[tuple[ProcessFiles, int]]:
+    """The run's processes (of ``ranks``, when given) with their attempts, sorted by rank, attempt, source."""
     pfs = [pf for pf in find_process_files(path) if ranks is None or pf.rank in ranks]
     attempts = assign_attempts(pfs)
     pfs.sort(key=lambda pf: (pf.rank, attempts[pf], pf.source))
-    for pf in pfs:
-        trace = build_process_trace(pf, attempts[pf], reader)
-        if trace is None:
-            continue
-        if steps is not None:
-            _keep_steps(trace, *steps)
-        yield trace
+    return [(pf, attempts[pf]) for pf in pfs]
 
 
-def build_process_trace(pf: ProcessFiles, attempt: int, reader: Reader) -> ProcessTrace | None:
-    """Pair one process's records into spans; None when it holds no valid record."""
+class _Rec(msgspec.Struct, gc=False):
+    # The fields the span model reads, typed loosely (``Any``) so that any record the generic reader
+    # accepts (``v``, numeric ``ts``, string ``kind``) is accepted here too; the rest is skipped.
+    v: Any
+    ts: float
+    kind: str
+    name: Any = ""
+    span_id: Any = ""
+    parent_span_id: Any = None
+    trace_id: Any = ""
+    tid: Any = None
+    step: Any = None
+    dur_ms: Any = None
+    status: Any = None
+    error: Any = None
+    attrs: Any = None
+    values: Any = None
+
+
+class _Meta(msgspec.Struct):
+    ts: float
+    host: Any = None
+    pid: Any = None
+    world_size: Any = None
+
+
+_META_RECORDS = 64
+_ts = attrgetter("ts")
+_start_ts = attrgetter("start_ts")
+
+
+def build_process_trace(
+    pf: ProcessFiles, attempt: int, reader: Reader, steps: tuple[int, int] | None = None
+) -> ProcessTrace | None:
+    """Pair one process's records into spans, keeping only ``steps`` when given (see
+    ``iter_process_traces``); None when it holds no valid record."""
     spans: dict[str, Span] = {}
     instants: list[dict] = []
     scalars: list[dict] = []
-    meta: dict = {}
     first_ts: float | None = None
     last_ts = 0.0
     ended = False
-    for rec in reader.records(pf):
-        ts = float(rec[schema.TS])
+    for items in reader.typed_batches(pf, _Rec):
+        if not items:
+            continue
         if first_ts is None:
-            first_ts = ts
-        last_ts = max(last_ts, ts)
-        for key in (schema.HOST, schema.PID, schema.WORLD_SIZE):
-            if key not in meta and rec.get(key) is not None:
-                meta[key] = rec[key]
-        kind = rec[schema.KIND]
-        if kind == schema.SPAN_START:
-            sid = str(rec.get(schema.SPAN_ID, ""))
-            spans[sid] = Span(
-                name=str(rec.get(schema.NAME, "")),
-                span_id=sid,
-                parent_span_id=rec.get(schema.PARENT_SPAN_ID),
-                trace_id=str(rec.get(schema.TRACE_ID, "")),
-                start_ts=ts,
-                end_ts=None,
-                status=STATUS_OPEN,
-                tid=rec.get(schema.TID),
-                step=rec.get(schema.STEP),
-                attrs=dict(rec.get(schema.ATTRS) or {}),
-            )
-        elif kind == schema.SPAN_END:
-            _end_span(spans, rec, ts)
-        elif kind == schema.INSTANT:
-            instants.append(rec)
-            if rec.get(schema.NAME) == schema.INSTANT_PROCESS_END:
-                ended = True
-        elif kind == schema.SCALAR:
-            scalars.append(rec)
+            first_ts = items[0].ts
+        last_ts = max(last_ts, max(map(_ts, items)))
+        # The hot loop: one Span per start record, filled in place by its end record.
+        for rec in items:
+            kind = rec.kind
+            if kind == _SPAN_END:
+                span = spans.get(rec.span_id)
+                if span is None or span.end_ts is not None:
+                    _end_span(spans, rec)
+                    continue
+                span.end_ts = rec.ts
+                status = rec.status
+                span.status = status if type(status) is str and status else str(status or schema.STATUS_OK)
+                span.error = rec.error
+                if rec.attrs:
+                    span.attrs.update(rec.attrs)
+            elif kind == _SPAN_START:
+                sid, name, attrs = rec.span_id, rec.name, rec.attrs
+                sid = sid if type(sid) is str else str(sid)
+                spans[sid] = Span(
+                    name if type(name) is str else str(name),
+                    sid,
+                    rec.parent_span_id,
+                    str(rec.trace_id),
+                    rec.ts,
+                    None,
+                    STATUS_OPEN,
+                    rec.tid,
+                    rec.step,
+                    attrs if type(attrs) is dict else {},
+                )
+            elif kind == _INSTANT:
+                instants.append(asdict(rec))
+                if rec.name == schema.INSTANT_PROCESS_END:
+                    ended = True
+            elif kind == _SCALAR:
+                scalars.append(asdict(rec))
     if first_ts is None:
         return None
-    ordered = sorted(spans.values(), key=lambda s: s.start_ts)
-    return ProcessTrace(
+    meta = _meta(pf)
+    trace = ProcessTrace(
         source=pf.source,
         rank=pf.rank,
         attempt=attempt,
@@ -135,36 +193,55 @@ def build_process_trace(pf: ProcessFiles, attempt: int, reader: Reader) -> Proce
         world_size=meta.get(schema.WORLD_SIZE),
         first_ts=first_ts,
         last_ts=last_ts,
-        spans=ordered,
+        spans=sorted(spans.values(), key=_start_ts),
         instants=instants,
         scalars=scalars,
         ended_cleanly=ended,
     )
+    if steps is not None:
+        _keep_steps(trace, *steps)
+    return trace
 
 
-def _end_span(spans: dict[str, Span], rec: dict, ts: float) -> None:
-    sid = str(rec.get(schema.SPAN_ID, ""))
+_SPAN_START, _SPAN_END, _INSTANT, _SCALAR = schema.SPAN_START, schema.SPAN_END, schema.INSTANT, schema.SCALAR
+
+
+def _meta(pf: ProcessFiles) -> dict[str, Any]:
+    """Host, pid and world size: the first non-null value of each among the process's first records."""
+    meta: dict[str, Any] = {}
+    quiet = Reader(warn=lambda _msg: None)
+    for head in islice(quiet.typed(pf, _Meta), _META_RECORDS):
+        for key in (schema.HOST, schema.PID, schema.WORLD_SIZE):
+            value = getattr(head, key)
+            if key not in meta and value is not None:
+                meta[key] = value
+    return meta
+
+
+def _end_span(spans: dict[str, Span], rec: _Rec) -> None:
+    sid = rec.span_id if type(rec.span_id) is str else str(rec.span_id)
     span = spans.get(sid)
+    ts = rec.ts
     if span is None:
         # Its start record was in a segment that rotated away: rebuild the start from the duration.
-        dur = rec.get(schema.DUR_MS)
+        dur = rec.dur_ms
         start = ts - float(dur) / 1000.0 if isinstance(dur, (int, float)) else ts
         span = spans[sid] = Span(
-            name=str(rec.get(schema.NAME, "")),
-            span_id=sid,
-            parent_span_id=rec.get(schema.PARENT_SPAN_ID),
-            trace_id=str(rec.get(schema.TRACE_ID, "")),
-            start_ts=start,
-            end_ts=None,
-            status=STATUS_OPEN,
-            tid=rec.get(schema.TID),
-            step=rec.get(schema.STEP),
+            str(rec.name),
+            sid,
+            rec.parent_span_id,
+            str(rec.trace_id),
+            start,
+            None,
+            STATUS_OPEN,
+            rec.tid,
+            rec.step,
         )
     span.end_ts = ts
-    span.status = str(rec.get(schema.STATUS) or schema.STATUS_OK)
-    span.error = rec.get(schema.ERROR)
-    if rec.get(schema.ATTRS):
-        span.attrs.update(rec[schema.ATTRS])
+    span.status = str(rec.status or schema.STATUS_OK)
+    span.error = rec.error
+    if rec.attrs:
+        span.attrs.update(rec.attrs)
 
 
 def _keep_steps(trace: ProcessTrace, lo: int, hi: int) -> None:

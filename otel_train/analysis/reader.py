@@ -161,6 +161,14 @@ class Reader:
         self._warn = warn or warn_to_stderr
         self._progress = progress
 
+    def absorb(self, malformed: int, warnings: Iterable[str], nbytes: int) -> None:
+        """Account for what another Reader (in a worker process) read: counts, warnings, progress."""
+        self.malformed_lines += malformed
+        for line in warnings:
+            self._warn(line)
+        if self._progress is not None:
+            self._progress(nbytes)
+
     def records(self, pf: ProcessFiles) -> Iterator[dict]:
         """Every valid record of the process as a dict, in file order (unknown fields kept)."""
         return chain.from_iterable(self._batches(pf, msgspec.json.Decoder(), _is_record))

@@ -35,16 +35,12 @@ class Track:
     _ends: list[float] = field(default_factory=list)
     _ids: list[str] = field(default_factory=list)
 
-    def _settle(self, start: float) -> None:
+    def settle(self, start: float) -> None:
         """Close the slices that ended at or before ``start``."""
-        ends = self._ends
+        ends, ids = self._ends, self._ids
         while ends and ends[-1] <= start:
             ends.pop()
-            self._ids.pop()
-
-    def _push(self, end: float, span_id: str) -> None:
-        self._ends.append(end)
-        self._ids.append(span_id)
+            ids.pop()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,47 +65,35 @@ def assign_tracks(spans: Sequence[Span], ends: Sequence[float]) -> tuple[list[in
     by_tid: dict[int | None, list[Track]] = {}
     track_of: dict[str, int] = {}
     out: list[int] = []
+    # One pass, inlined: this runs once per span of the run.
     for span, end in zip(spans, ends):
-        start = span.start_ts
-        track = _parent_track(span, start, end, tracks, track_of)
+        start, tid, parent, track = span.start_ts, span.tid, span.parent_span_id, None
+        index = track_of.get(parent) if parent else None
+        if index is not None:
+            # The parent's track, when it is the same thread's, the parent is the innermost open
+            # slice there, and the parent contains the span (an async child may outlive its parent).
+            candidate = tracks[index]
+            if candidate.tid == tid:
+                candidate.settle(start)
+                ids = candidate._ids
+                if ids and ids[-1] == parent and end <= candidate._ends[-1]:
+                    track = candidate
+        if track is None:  # the first track of this thread with no slice open at ``start``
+            for candidate in by_tid.get(tid, ()):
+                candidate.settle(start)
+                if not candidate._ends:
+                    track = candidate
+                    break
         if track is None:
-            track = _idle_track(span.tid, start, by_tid)
-        if track is None:
-            track = Track(index=len(tracks), tid=span.tid)
+            track = Track(index=len(tracks), tid=tid)
             tracks.append(track)
-            by_tid.setdefault(span.tid, []).append(track)
-        track._push(end, span.span_id)
+            by_tid.setdefault(tid, []).append(track)
+        track._ends.append(end)
+        track._ids.append(span.span_id)
         track_of[span.span_id] = track.index
         out.append(track.index)
     _name_tracks(tracks)
     return out, tracks
-
-
-def _parent_track(
-    span: Span, start: float, end: float, tracks: list[Track], track_of: dict[str, int]
-) -> Track | None:
-    """The parent's track, when it is the same thread's, the parent is the innermost open slice
-    there, and the parent contains ``span`` (an async child may outlive its parent)."""
-    parent = span.parent_span_id
-    index = track_of.get(parent) if parent else None
-    if index is None:
-        return None
-    track = tracks[index]
-    if track.tid != span.tid:
-        return None
-    track._settle(start)
-    if track._ids and track._ids[-1] == parent and end <= track._ends[-1]:
-        return track
-    return None
-
-
-def _idle_track(tid: int | None, start: float, by_tid: dict[int | None, list[Track]]) -> Track | None:
-    """The first track of thread ``tid`` with no slice open at ``start``."""
-    for track in by_tid.get(tid, ()):
-        track._settle(start)
-        if not track._ends:
-            return track
-    return None
 
 
 def _name_tracks(tracks: list[Track]) -> None:
