@@ -215,6 +215,27 @@ def test_torn_and_garbage_lines_are_skipped(tmp_path: Path) -> None:
     assert messages and all("\n" not in m for m in messages)
 
 
+def test_parallel_export_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = crashed_run(tmp_path / "run")
+    p = Proc(rank=2)
+    p.steps(range(4))
+    write_run(run, [p], torn_tail=True, garbage={5: b"\x00\xffnot json"})
+    from otel_train.analysis import chrome
+    from otel_train.analysis.reader import Reader
+
+    serial = export_trace(run, tmp_path / "serial.json", workers=1, reader=Reader(warn=lambda m: None))
+    monkeypatch.setattr(chrome, "PARALLEL_MIN_BYTES", 0)  # a pool even for this small run
+    messages: list[str] = []
+    progress: list[int] = []
+    pooled = export_trace(run, tmp_path / "pool.json", workers=2, reader=Reader(warn=messages.append,
+                                                                                 progress=progress.append))
+    assert (tmp_path / "serial.json").read_bytes() == (tmp_path / "pool.json").read_bytes()
+    counts = lambda r: (r.slices, r.instants, r.counters, r.processes, r.malformed_lines)  # noqa: E731
+    assert counts(pooled) == counts(serial) and serial.processes == 4 and serial.malformed_lines == 2
+    assert len(messages) == 1 and "rank_2" in messages[0] and sum(progress) > 0
+    assert not list(tmp_path.glob(".*.part*"))
+
+
 # ---------------------------------------------------------------- track assignment
 
 
