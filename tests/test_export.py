@@ -220,6 +220,8 @@ def test_parallel_export_writes_the_same_bytes(tmp_path: Path, monkeypatch: pyte
     p = Proc(rank=2)
     p.steps(range(4))
     write_run(run, [p], torn_tail=True, garbage={5: b"\x00\xffnot json"})
+    empty = run / schema.STRUCTURED_LOGS_DIR / schema.trace_file_name("aux", 1, "20240101-000000", "zzzzzz")
+    empty.write_bytes(b"not a record\n")  # sorts before rank 1's training process; its pid stays unused
     from otel_train.analysis import chrome
     from otel_train.analysis.reader import Reader
 
@@ -231,8 +233,11 @@ def test_parallel_export_writes_the_same_bytes(tmp_path: Path, monkeypatch: pyte
                                                                                  progress=progress.append))
     assert (tmp_path / "serial.json").read_bytes() == (tmp_path / "pool.json").read_bytes()
     counts = lambda r: (r.slices, r.instants, r.counters, r.processes, r.malformed_lines)  # noqa: E731
-    assert counts(pooled) == counts(serial) and serial.processes == 4 and serial.malformed_lines == 2
-    assert len(messages) == 1 and "rank_2" in messages[0] and sum(progress) > 0
+    assert counts(pooled) == counts(serial) and serial.processes == 4 and serial.malformed_lines == 3
+    assert len(messages) == 2 and "rank_2" in messages[1] and sum(progress) > 0
+    names = {e["pid"]: e["args"]["name"] for e in events(json.loads((tmp_path / "pool.json").read_text()), "M",
+                                                          name="process_name")}
+    assert names == {1: "rank 0", 3: "rank 1", 4: "rank 1 (attempt 1)", 5: "rank 2"}
     assert not list(tmp_path.glob(".*.part*"))
 
 

@@ -175,35 +175,45 @@ def _write_chrome_run(
     steps: tuple[int, int] | None,
     workers: int | None,
 ) -> tuple[int, int, int, int]:
-    """The whole run as Chrome JSON: in this process, or for a large run by a pool of workers that
-    each render whole processes into part files, which are appended here in order."""
+    """The whole run as Chrome JSON, process ``i`` of ``order`` with pid ``i + 1``: rendered here, or
+    for a large run by a pool of workers into part files that are appended here in order."""
+    origin_us = int(origin * 1e6)
     sizes = [pf.size for pf, _ in order]
     workers = min(workers or os.cpu_count() or 1, len(order))
-    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
-        traces = (
-            t for t in (build_process_trace(pf, attempt, reader, steps) for pf, attempt in order) if t is not None
-        )
-        return write_chrome(traces, f, origin=origin, reader=reader)
-    origin_us = int(origin * 1e6)
-    part = Path(f.name).with_suffix(".part")  # type: ignore[attr-defined]
-    tasks = [(pf, attempt, index, origin_us, steps, f"{part}{index}") for index, (pf, attempt) in enumerate(order)]
     f.write(_HEAD)
     totals = [0, 0, 0, 0]
-    try:
-        with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
-            for size, (counts, malformed, warnings, part_path) in zip(sizes, pool.map(_render_task, tasks)):
-                reader.absorb(malformed, warnings, size)
-                if part_path is None:
-                    continue
-                if totals[3]:
-                    f.write(_SEP)
-                with open(part_path, "rb") as src:
-                    shutil.copyfileobj(src, f, 1 << 20)
-                os.unlink(part_path)
-                totals = [a + b for a, b in zip(totals, counts)]
-    finally:
-        for task in tasks:
-            Path(task[-1]).unlink(missing_ok=True)
+
+    def append(counts: tuple[int, int, int, int], data: bytes | None, part: str | None) -> None:
+        nonlocal totals
+        if data is None and part is None:
+            return  # a process without a single valid record
+        if totals[3]:
+            f.write(_SEP)
+        if part is None:
+            f.write(data)  # type: ignore[arg-type]
+        else:
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+            os.unlink(part)
+        totals = [a + b for a, b in zip(totals, counts)]
+
+    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
+        for index, (pf, attempt) in enumerate(order):
+            trace = build_process_trace(pf, attempt, reader, steps)
+            if trace is not None:
+                text, counts = render_process(trace, index, origin_us)
+                append(counts, text.encode(), None)
+    else:
+        stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
+        tasks = [(pf, attempt, index, origin_us, steps, f"{stem}{index}") for index, (pf, attempt) in enumerate(order)]
+        try:
+            with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
+                for size, (counts, malformed, warnings, part) in zip(sizes, pool.map(_render_task, tasks)):
+                    reader.absorb(malformed, warnings, size)
+                    append(counts, None, part)
+        finally:
+            for task in tasks:
+                Path(task[-1]).unlink(missing_ok=True)
     _write_tail(f, origin_us, totals[3], reader.malformed_lines)
     return totals[0], totals[1], totals[2], totals[3]
 
@@ -211,17 +221,17 @@ def _write_chrome_run(
 def _render_task(
     task: tuple[ProcessFiles, int, int, int, tuple[int, int] | None, str],
 ) -> tuple[tuple[int, int, int, int], int, list[str], str | None]:
-    """Worker: build, lay out and render one process into ``part_path``; (counts, malformed, warnings, path)."""
-    pf, attempt, index, origin_us, steps, part_path = task
+    """Worker: build, lay out and render one process into a part file; (counts, malformed, warnings, part)."""
+    pf, attempt, index, origin_us, steps, part = task
     warnings: list[str] = []
     reader = Reader(warn=warnings.append)
     trace = build_process_trace(pf, attempt, reader, steps)
     if trace is None:
         return (0, 0, 0, 0), reader.malformed_lines, warnings, None
     text, counts = render_process(trace, index, origin_us)
-    with open(part_path, "wb") as out:
+    with open(part, "wb") as out:
         out.write(text.encode())
-    return counts, reader.malformed_lines, warnings, part_path
+    return counts, reader.malformed_lines, warnings, part
 
 
 def track_tid(lay: ProcessLayout, track_index: int) -> int:
