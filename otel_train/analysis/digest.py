@@ -139,6 +139,8 @@ def digest_process(pf: ProcessFiles, attempt: int, progress: Callable[[int], Non
     pop = opened.pop
     phases = d.phases
     parents = d.parents
+    # Bound appenders of each phase's columns (a phase's series may also be made by _close_rare).
+    sinks: dict[str, tuple[Callable[[Any], None], Callable[[Any], None]]] = {}
     last: _Rec | None = None
     first_step = final_step = relative_step = None
     last_closed: str | None = None
@@ -159,12 +161,13 @@ def digest_process(pf: ProcessFiles, attempt: int, progress: Callable[[int], Non
                 if started is None or dur is None or rec.status not in _PLAIN_END:
                     last_closed = _close_rare(d, rec, started, last_closed)
                     continue
-                series = phases.get(name)
-                if series is None:
-                    series = phases[name] = PhaseSeries()
+                sink = sinks.get(name)
+                if sink is None:
+                    series = phases.setdefault(name, PhaseSeries())
+                    sink = sinks[name] = (series.steps.append, series.durs.append)
                 sstep = started[2]
-                series.steps.append(NO_STEP if sstep is None else sstep)
-                series.durs.append(dur)
+                sink[0](NO_STEP if sstep is None else sstep)
+                sink[1](dur)
                 if name != STEP:
                     last_closed = name
             elif kind == _SPAN_START:
