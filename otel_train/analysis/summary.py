@@ -304,7 +304,9 @@ def is_collective_failure(error_type: str, message: str) -> bool:
     return _COLLECTIVE_FAILURE.search(f"{error_type}: {message}") is not None
 
 
-def _first_error(errors: dict[int, list[ErrorSpan]], group: list[ProcessDigest]) -> tuple[ProcessDigest, ErrorSpan] | None:
+def _first_error(
+    errors: dict[int, list[ErrorSpan]], group: list[ProcessDigest]
+) -> tuple[ProcessDigest, ErrorSpan] | None:
     """The error that came first, preferring one raised outside a collective: its rank is the culprit."""
     found = [(e.ts, i, d, e) for i, d in enumerate(group) for e in errors[id(d)]]
     own = [f for f in found if not is_collective_failure(f[3].error_type, f[3].message)]
