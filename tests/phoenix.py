@@ -84,7 +84,8 @@ class PhoenixServer:
     def start(self) -> PhoenixServer:
         """Start and wait until ``/healthz`` answers; raises RuntimeError with the log tail if it never does."""
         env = {
-            **os.environ,
+            # Not the test session's HF_*/OTEL_* settings: Phoenix never becomes ready with HF_HUB_OFFLINE=1.
+            **{k: v for k, v in os.environ.items() if not k.startswith(("HF_", "OTEL_", "PHOENIX_"))},
             "PHOENIX_WORKING_DIR": str(self.workdir / "phoenix"),
             "PHOENIX_HOST": "127.0.0.1",
             "PHOENIX_PORT": "6006",

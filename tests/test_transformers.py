@@ -9,8 +9,15 @@ from typing import Any
 
 import pytest
 
+# huggingface_hub reads HF_HUB_OFFLINE once, at import: set it for the import only, so it does not
+# leak into the environment of every later test's subprocesses (Phoenix hangs at startup with it).
+_offline_was_set = "HF_HUB_OFFLINE" in os.environ
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
+try:
+    transformers = pytest.importorskip("transformers")
+finally:
+    if not _offline_was_set:
+        del os.environ["HF_HUB_OFFLINE"]
 import torch  # noqa: E402
 
 import otel_train as ot  # noqa: E402
