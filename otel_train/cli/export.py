@@ -8,7 +8,6 @@ from typing import Optional
 import typer
 
 from otel_train.analysis.chrome import FORMATS, default_output, export_trace
-from otel_train.analysis.otlp_replay import export_otlp_json
 from otel_train.analysis.reader import Reader
 from otel_train.cli._app import app
 from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
@@ -68,6 +67,8 @@ def export(
         except ValueError as exc:
             fail(str(exc))
         if fmt == OTLP_JSON:
+            from otel_train.analysis.otlp_replay import export_otlp_json  # protobuf stack: only when asked
+
             out = output if output is not None else default_output(path, OTLP_JSON)
             with byte_progress(path, "exporting") as progress:
                 reader = Reader(warn=warn, progress=progress)
