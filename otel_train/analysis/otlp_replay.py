@@ -19,7 +19,6 @@ import base64
 import gzip
 import json
 import os
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -46,7 +45,9 @@ from otel_train.analysis.reader import (
     TraceReadError,
     assign_attempts,
     find_process_files,
+    is_record,
     logs_dir,
+    warn_to_stderr,
 )
 
 DEFAULT_SERVICE_NAME = "otel-train"
@@ -678,7 +679,7 @@ class RunTailer:
                 rec = self._decoder.decode(line)
             except msgspec.DecodeError:
                 rec = None
-            if _is_record(rec):
+            if is_record(rec):
                 out.append(rec)
                 continue
             self.malformed_lines += 1
@@ -686,19 +687,6 @@ class RunTailer:
             if state.bad_lines == 1:
                 self._warn(f"warning: {seg}: skipped malformed line; further bad lines in this file are only counted")
         return key
-
-
-def _warn_stderr(message: str) -> None:
-    print(message, file=sys.stderr)
-
-
-def _is_record(obj: Any) -> bool:
-    return (
-        isinstance(obj, dict)
-        and schema.V in obj
-        and isinstance(obj.get(schema.TS), (int, float))
-        and isinstance(obj.get(schema.KIND), str)
-    )
 
 
 def follow(
@@ -721,7 +709,7 @@ def follow(
     by id keeps one of the two. Raises TraceReadError (path missing) and PushError.
     """
     stats = ReplayStats()
-    tailer = RunTailer(path, warn or _warn_stderr)
+    tailer = RunTailer(path, warn or warn_to_stderr)
     assemblers: dict[tuple[str, int, str], SpanAssembler] = {}
     batcher = RequestBatcher(service_name, batch_spans, extra_resource)
 

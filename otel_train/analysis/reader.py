@@ -136,7 +136,8 @@ def warn_to_stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def _is_record(obj: Any) -> bool:
+def is_record(obj: Any) -> bool:
+    """Whether a decoded JSON value is a schema-v1 record (an object with ``v``, a numeric ``ts``, a ``kind``)."""
     return (
         type(obj) is dict
         and schema.V in obj
@@ -171,7 +172,7 @@ class Reader:
 
     def records(self, pf: ProcessFiles) -> Iterator[dict]:
         """Every valid record of the process as a dict, in file order (unknown fields kept)."""
-        return chain.from_iterable(self._batches(pf, msgspec.json.Decoder(), _is_record))
+        return chain.from_iterable(self._batches(pf, msgspec.json.Decoder(), is_record))
 
     def typed(self, pf: ProcessFiles, type_: type[T]) -> Iterator[T]:
         """Records decoded straight into ``type_`` (a msgspec.Struct; unknown fields ignored).
