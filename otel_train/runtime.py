@@ -268,11 +268,15 @@ def _static_fields(ctx: RunContext) -> dict[str, Any]:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    # Frames in these packages are skipped when finding the user's caller.
-    dirs = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.dirname(trace.__file__))]
-    exporters_dir = os.path.dirname(os.path.dirname(os.path.abspath(JsonlSpanProcessor.__module__ and
-                                                                      sys.modules[JsonlSpanProcessor.__module__].__file__)))
-    dirs.append(exporters_dir)
+    # Frames in these packages are skipped when finding the user's caller: ours, OTel's, the stdlib's
+    # logging (log records bridged to instants) and the training frameworks that call our hooks.
+    import logging
+
+    import otel_train.exporters
+
+    modules = [sys.modules["otel_train"], otel_train.exporters, sys.modules["opentelemetry.trace"], logging]
+    dirs = [os.path.dirname(os.path.abspath(module.__file__)) for module in modules]
+    dirs[2] = os.path.dirname(dirs[2])  # all of opentelemetry, not just its trace package
     for name in ("torch", "lightning", "pytorch_lightning", "transformers", "accelerate"):
         module = sys.modules.get(name)
         if module is not None and getattr(module, "__file__", None):

@@ -336,3 +336,15 @@ def test_user_otel_spans_nest_under_ours_and_attributes_set_inside_land_in_the_e
     assert format(user_span.parent.span_id, "016x") == start["span_id"]
     assert format(user_span.context.trace_id, "032x") == start["trace_id"]
     assert end["attrs"] == {"tokens": 512} and "attrs" not in start
+
+
+def test_bridged_log_instant_names_the_user_caller(tmp_path: Path) -> None:
+    """The caller of a bridged log record is the user's logging call, not the logging package."""
+    import logging
+
+    ot.init(save_path=tmp_path, enabled=True, log_bridge=True)
+    logging.getLogger("user.train").warning("loss spiked")
+    ot.shutdown()
+    (log,) = [r for r in records(tmp_path) if r["kind"] == "instant" and r["name"] == "log"]
+    assert log["caller"].startswith(__file__ + ":")
+    assert log["caller"].endswith(":test_bridged_log_instant_names_the_user_caller")
