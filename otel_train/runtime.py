@@ -171,24 +171,30 @@ def _build(rt: _Runtime) -> None:
     settings, ctx = rt.settings, rt.ctx
     exporters = settings.traces_exporter
     id_generator = StepTraceIdGenerator()
-    rt.provider = provider = TracerProvider(
-        sampler=ALWAYS_ON,  # sampling thins OTLP only: the JSONL file keeps every span
-        resource=build_resource(ctx),
-        id_generator=id_generator,
-        shutdown_on_exit=False,
-    )
     log_dir = Path(settings.save_path or ".") / S.STRUCTURED_LOGS_DIR
-    run_kwargs = dict(
-        rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, attempt=ctx.attempt,
-        job_id=ctx.job_id, run_id=ctx.run_id, source=ctx.source, host=ctx.host, pid=ctx.pid,
-        save_path=settings.save_path, log_dir=str(log_dir), settings=settings, resource=provider.resource,
-        tracer_provider=provider,
-    )
-    handlers = load_handlers(settings.handlers, run_kwargs)
-    rt.record_handlers = handlers.record_handlers
-    rt.batch_processors = build_span_processors(tuple(n for n in exporters if n != "jsonl"))
-    rt.batch_processors += [BoundedBatchSpanProcessor(exporter) for exporter in handlers.exporters]
-    rt.other_processors = handlers.processors
+    # The SDK provider is built only when something besides the JSONL sink may see spans (OTLP,
+    # console, custom handlers): a JSONL-only run takes the lean path and never needs it (nor pays
+    # its after-fork resource detection in every DataLoader worker).
+    sdk_sinks = tuple(n for n in exporters if n != "jsonl")
+    provider = None
+    if sdk_sinks or settings.handlers:
+        rt.provider = provider = TracerProvider(
+            sampler=ALWAYS_ON,  # sampling thins OTLP only: the JSONL file keeps every span
+            resource=build_resource(ctx),
+            id_generator=id_generator,
+            shutdown_on_exit=False,
+        )
+        run_kwargs = dict(
+            rank=ctx.rank, local_rank=ctx.local_rank, world_size=ctx.world_size, attempt=ctx.attempt,
+            job_id=ctx.job_id, run_id=ctx.run_id, source=ctx.source, host=ctx.host, pid=ctx.pid,
+            save_path=settings.save_path, log_dir=str(log_dir), settings=settings, resource=provider.resource,
+            tracer_provider=provider,
+        )
+        handlers = load_handlers(settings.handlers, run_kwargs)
+        rt.record_handlers = handlers.record_handlers
+        rt.batch_processors = build_span_processors(sdk_sinks)
+        rt.batch_processors += [BoundedBatchSpanProcessor(exporter) for exporter in handlers.exporters]
+        rt.other_processors = handlers.processors
     has_others = bool(rt.batch_processors or rt.other_processors)
 
     if "jsonl" in exporters:
@@ -204,13 +210,13 @@ def _build(rt: _Runtime) -> None:
             rt.writer, encoder, caller=CallerFinder(_library_dirs()),
             record_handlers=[h.on_record for h in rt.record_handlers],
         )
-        provider.add_span_processor(rt.jsonl)
-    if has_others:
-        provider.add_span_processor(TrainingContextProcessor())
-    for processor in rt.other_processors + rt.batch_processors:
-        provider.add_span_processor(processor)
-
-    if has_others or settings.handlers:
+    if provider is not None:
+        if rt.jsonl is not None:
+            provider.add_span_processor(rt.jsonl)
+        if has_others:
+            provider.add_span_processor(TrainingContextProcessor())
+        for processor in rt.other_processors + rt.batch_processors:
+            provider.add_span_processor(processor)
         tracer: trace.Tracer = provider.get_tracer("otel_train", __version__)
     else:
         # Nothing but the JSONL sink will see these spans: take the lean path (see otel_train.spans).
