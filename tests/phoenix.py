@@ -91,6 +91,14 @@ class PhoenixServer:
             "PHOENIX_PORT": "6006",
             "PHOENIX_GRPC_PORT": "4317",
             "PHOENIX_TELEMETRY_ENABLED": "false",
+            # At startup its agent assistant dials remote MCP servers and it fetches a WASM sandbox binary;
+            # in a namespace without DNS either can hold /healthz back past any sane timeout (seen in
+            # full-suite runs). Nothing here needs them.
+            "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false",
+            "PHOENIX_ALLOWED_SANDBOX_PROVIDERS": "NONE",
+            "PHOENIX_DISABLE_AGENT_ASSISTANT": "true",
+            "PHOENIX_AGENTS_DISABLE_WEB_ACCESS": "true",
+            "PHOENIX_AGENTS_DISABLE_GITHUB": "true",
         }
         log = self.log_path.open("wb")
         # exec keeps the pid: /proc/<pid>/ns/net is then Phoenix's namespace.
