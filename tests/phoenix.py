@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -107,12 +108,29 @@ class PhoenixServer:
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         log.close()
+        self._await_own_namespace()
         ready = self.run([sys.executable, "-c", _WAIT_READY, str(READY_TIMEOUT_S)], timeout=READY_TIMEOUT_S + 30)
         if ready.returncode != 0 or self._proc.poll() is not None:
             tail = self.log_path.read_text(errors="replace")[-3000:]
             self.stop()
             raise RuntimeError(f"Phoenix did not become ready within {READY_TIMEOUT_S}s; log tail:\n{tail}")
         return self
+
+    def _await_own_namespace(self, timeout_s: float = 30.0) -> None:
+        # Right after Popen, `unshare` may not have made its namespace yet: entering /proc/<pid>/ns/net
+        # then would enter *ours*, and every later call would talk to the wrong loopback.
+        assert self._proc is not None
+        ours = os.readlink("/proc/self/ns/net")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._proc.poll() is None:
+            try:
+                if os.readlink(f"/proc/{self._proc.pid}/ns/net") != ours:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.02)
+        raise RuntimeError(f"phoenix's network namespace did not appear within {timeout_s}s "
+                           f"(exit status {self._proc.poll()}); log: {self.log_path}")
 
     def run(self, cmd: list[str], *, env: dict[str, str] | None = None, timeout: float = 120.0,
             cwd: Path | None = None) -> subprocess.CompletedProcess:
