@@ -125,10 +125,6 @@ class JsonlSpanProcessor(SpanProcessor):
                 self._fault("ending an open span", exc)
         return len(spans)
 
-    def open_span_count(self) -> int:
-        """How many spans have started and not ended."""
-        return len(self._open)
-
     def shutdown(self) -> None:
         with self._lock:
             if self._closed:
