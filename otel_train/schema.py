@@ -22,7 +22,7 @@ STATUS_OK = "ok"
 STATUS_ERROR = "error"
 STATUS_INCOMPLETE = "incomplete"
 
-# Field names. Values: see the table in CONTRACT.md / docs/schema.md.
+# Field names. Values: see the table in docs/schema.md.
 V = "v"
 TS = "ts"
 KIND = "kind"
@@ -60,6 +60,9 @@ END_SUFFIX = "_end"
 # Instants the runtime itself writes.
 INSTANT_PROCESS_START = "process_start"
 INSTANT_PROCESS_END = "process_end"  # written by shutdown(): its absence means the process died
+INSTANT_EXCEPTION = "exception"  # an uncaught exception
+INSTANT_HEARTBEAT = "heartbeat"  # the watchdog saw no record for heartbeat_s
+INSTANT_STALL = "stall"  # a span passed its stall threshold (with every thread's stack)
 INSTANT_SPANS_DROPPED = "otel_train.spans_dropped"
 INSTANT_WRITE_ERRORS = "otel_train.write_errors"
 

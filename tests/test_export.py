@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from analysis_fixtures import Proc, write_run
 from otel_train import schema
 from otel_train.analysis.chrome import export_trace
-from otel_train.analysis.model import Span
+from otel_train.analysis.spans import Span
 from otel_train.analysis.tracks import assign_tracks
 from otel_train.analysis.validate import validate_chrome_trace
 from otel_train.cli import app
@@ -208,7 +208,7 @@ def test_torn_and_garbage_lines_are_skipped(tmp_path: Path) -> None:
     p.steps(range(3))
     write_run(tmp_path / "run", [p], torn_tail=True, garbage={3: b"\x00\xffnot json"})
     messages: list[str] = []
-    from otel_train.analysis.reader import Reader
+    from otel_train.analysis.records import Reader
 
     trace, result = export_json(tmp_path / "run", tmp_path / "t.json", reader=Reader(warn=messages.append))
     assert result.malformed_lines == 2 and trace["otherData"]["malformed_lines"] == 2
@@ -223,7 +223,7 @@ def test_parallel_export_writes_the_same_bytes(tmp_path: Path, monkeypatch: pyte
     empty = run / schema.STRUCTURED_LOGS_DIR / schema.trace_file_name("aux", 1, "20240101-000000", "zzzzzz")
     empty.write_bytes(b"not a record\n")  # sorts before rank 1's training process; its pid stays unused
     from otel_train.analysis import chrome
-    from otel_train.analysis.reader import Reader
+    from otel_train.analysis.records import Reader
 
     serial = export_trace(run, tmp_path / "serial.json", workers=1, reader=Reader(warn=lambda m: None))
     monkeypatch.setattr(chrome, "PARALLEL_MIN_BYTES", 0)  # a pool even for this small run

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from otel_train import schema
-from otel_train.analysis.reader import Reader, find_process_files
+from otel_train.analysis.records import Reader, find_process_files
 from tests.phoenix import GRPC_ENDPOINT, HTTP_ENDPOINT, PhoenixServer, phoenix  # noqa: F401 - fixture
 
 OTEL_TRAIN = str(Path(sys.executable).parent / "otel-train")

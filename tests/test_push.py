@@ -23,7 +23,7 @@ from otel_train.analysis.otlp_replay import (
     parse_headers,
     replay,
 )
-from otel_train.analysis.reader import Reader, TraceReadError
+from otel_train.analysis.records import Reader, TraceReadError
 from otel_train.phases import BACKWARD, FORWARD, STEP
 from tests.analysis_fixtures import Proc, write_run
 from tests.otlp_receivers import GrpcOtlpReceiver, HttpOtlpReceiver, refused_endpoint

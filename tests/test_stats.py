@@ -17,7 +17,7 @@ from analysis_fixtures import Proc, write_run
 
 from otel_train.analysis.frame import to_dataframe
 from otel_train.analysis.stats import compute_stats, peer_medians, peer_table, quantiles, stats
-from otel_train.analysis.digest import load_run
+from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize
 from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER
 

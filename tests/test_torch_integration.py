@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import otel_train as ot
 from otel_train import _phases, phases, schema
 from otel_train import torch as ott
-from otel_train.analysis.reader import Reader, find_process_files
+from otel_train.analysis.records import Reader, find_process_files
 
 
 def test_batch_stats_reads_shapes_of_nested_batches() -> None:

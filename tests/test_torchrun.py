@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from otel_train import phases, schema
-from otel_train.analysis.reader import Reader, find_process_files
+from otel_train.analysis.records import Reader, find_process_files
 from otel_train.lifecycle import EXCEPTION_INSTANT, REDACTED
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"

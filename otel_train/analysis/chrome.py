@@ -23,9 +23,8 @@ import msgspec
 
 from otel_train import schema
 from otel_train._version import __version__
-from otel_train.analysis.digest import PARALLEL_MIN_BYTES, pool_context
-from otel_train.analysis.model import ProcessTrace, build_process_trace, iter_process_traces, process_order
-from otel_train.analysis.reader import ProcessFiles, Reader, find_process_files, logs_dir
+from otel_train.analysis.records import ProcessFiles, Reader, Scalar, SpanEnd, find_process_files, logs_dir, peek
+from otel_train.analysis.spans import PARALLEL_MIN_BYTES, ProcessState, iter_processes, pool_context, process_order, read_process
 from otel_train.analysis.tracks import ExportResult, ProcessLayout, layout_process
 
 FORMATS = ("chrome", "perfetto")
@@ -38,12 +37,6 @@ ERROR_CNAME = "terrible"
 _HEAD_RECORDS = 64
 
 _encode = msgspec.json.Encoder().encode
-
-
-class _Head(msgspec.Struct):
-    ts: float
-    kind: str = ""
-    dur_ms: float | None = None
 
 
 def default_output(path: str | Path, fmt: str = "chrome") -> Path:
@@ -84,7 +77,7 @@ def export_trace(
         else:
             from otel_train.analysis.perfetto import write_perfetto
 
-            traces = iter_process_traces(path, reader, ranks=ranks, steps=steps)
+            traces = iter_processes(path, reader, ranks=ranks, steps=steps)
             with tmp.open("wb", buffering=1 << 20) as fb:
                 counts = write_perfetto(traces, fb)
         os.replace(tmp, out)
@@ -104,18 +97,15 @@ def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:
     A span whose start record rotated away starts ``dur_ms`` before its end record, so the first
     records' durations are taken into account.
     """
-    quiet = Reader(warn=lambda _msg: None)
     best = math.inf
-    for pf in find_process_files(path):
+    for pf in find_process_files(path, warn=lambda _msg: None):
         if ranks is not None and pf.rank not in ranks:
             continue
-        for i, head in enumerate(quiet.typed(pf, _Head)):
-            ts = head.ts
-            if head.kind == schema.SPAN_END and head.dur_ms is not None:
-                ts -= head.dur_ms / 1000.0
+        for rec in peek(pf):
+            ts = rec.ts
+            if type(rec) is SpanEnd and rec.dur_ms is not None:
+                ts -= rec.dur_ms / 1000.0
             best = min(best, ts)
-            if i >= _HEAD_RECORDS:
-                break
     return 0.0 if best == math.inf else best
 
 
@@ -124,7 +114,7 @@ _SEP = b",\n"
 
 
 def write_chrome(
-    traces: Iterable[ProcessTrace], f: IO[bytes], *, origin: float, reader: Reader | None = None
+    traces: Iterable[ProcessState], f: IO[bytes], *, origin: float, reader: Reader | None = None
 ) -> tuple[int, int, int, int]:
     """Stream ``traces`` as one Chrome trace JSON object (UTF-8) to the binary file ``f``.
 
@@ -155,7 +145,7 @@ def _write_tail(f: IO[bytes], origin_us: int, processes: int, malformed: int) ->
     f.write(b'\n],"otherData":' + _encode(other) + b"}\n")
 
 
-def render_process(trace: ProcessTrace, index: int, origin_us: int) -> tuple[str, tuple[int, int, int, int]]:
+def render_process(trace: ProcessState, index: int, origin_us: int) -> tuple[str, tuple[int, int, int, int]]:
     """One process's events as Chrome JSON text (comma separated) and its counts
     (slices, instants, counters, 1); ``index`` is its place in the export (synthetic pid ``index + 1``)."""
     lay = layout_process(trace, index)
@@ -178,7 +168,7 @@ def _write_chrome_run(
     """The whole run as Chrome JSON, process ``i`` of ``order`` with pid ``i + 1``: rendered here, or
     for a large run by a pool of workers into part files that are appended here in order."""
     origin_us = int(origin * 1e6)
-    sizes = [pf.size for pf, _ in order]
+    sizes = [pf.size for pf, _, _ in order]
     workers = min(workers or os.cpu_count() or 1, len(order))
     f.write(_HEAD)
     totals = [0, 0, 0, 0]
@@ -198,14 +188,14 @@ def _write_chrome_run(
         totals = [a + b for a, b in zip(totals, counts)]
 
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
-        for index, (pf, attempt) in enumerate(order):
-            trace = build_process_trace(pf, attempt, reader, steps)
-            if trace is not None:
+        for index, (pf, attempt, meta) in enumerate(order):
+            trace = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
+            if trace.records:
                 text, counts = render_process(trace, index, origin_us)
                 append(counts, text.encode(), None)
     else:
         stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
-        tasks = [(pf, attempt, index, origin_us, steps, f"{stem}{index}") for index, (pf, attempt) in enumerate(order)]
+        tasks = [(pf, attempt, index, origin_us, steps, f"{stem}{index}") for index, (pf, attempt, _) in enumerate(order)]
         try:
             with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
                 for size, (counts, malformed, warnings, part) in zip(sizes, pool.map(_render_task, tasks)):
@@ -225,8 +215,8 @@ def _render_task(
     pf, attempt, index, origin_us, steps, part = task
     warnings: list[str] = []
     reader = Reader(warn=warnings.append)
-    trace = build_process_trace(pf, attempt, reader, steps)
-    if trace is None:
+    trace = read_process(pf, attempt, reader, keep=True, steps=steps)
+    if not trace.records:
         return (0, 0, 0, 0), reader.malformed_lines, warnings, None
     text, counts = render_process(trace, index, origin_us)
     with open(part, "wb") as out:
@@ -288,14 +278,13 @@ def _instants(lay: ProcessLayout, origin_us: int, events: list[str]) -> int:
     pid = lay.pid
     base_tid = pid * TID_STRIDE + 1
     for rec, track in zip(lay.trace.instants, lay.instant_tracks):
-        ts = int(float(rec[schema.TS]) * 1e6 + 0.5) - origin_us
+        ts = int(rec.ts * 1e6 + 0.5) - origin_us
         args: dict = {}
-        if rec.get(schema.STEP) is not None:
-            args[schema.STEP] = rec[schema.STEP]
-        attrs = rec.get(schema.ATTRS)
-        if isinstance(attrs, dict):
-            args.update(attrs)
-        name = _encode(str(rec.get(schema.NAME, ""))).decode()
+        if rec.step is not None:
+            args[schema.STEP] = rec.step
+        if rec.attrs:
+            args.update(rec.attrs)
+        name = _encode(rec.name).decode()
         events.append(
             f'{{"ph":"i","s":"t","name":{name},"cat":"instant","ts":{ts},"pid":{pid},'
             f'"tid":{base_tid + track},"args":{_encode(args).decode()}}}'
@@ -303,10 +292,10 @@ def _instants(lay: ProcessLayout, origin_us: int, events: list[str]) -> int:
     return len(lay.instant_tracks)
 
 
-def scalar_values(rec: dict) -> list[tuple[str, float | int]]:
+def scalar_values(rec: Scalar) -> list[tuple[str, float | int]]:
     """The numeric, finite values of a scalar record (bools as 0/1); anything else is skipped."""
-    values = rec.get(schema.VALUES)
-    if not isinstance(values, dict):
+    values = rec.values
+    if not values:
         return []
     out = []
     for key, value in values.items():
@@ -322,7 +311,7 @@ def _counters(lay: ProcessLayout, origin_us: int, events: list[str]) -> int:
     n = 0
     names: dict[str, str] = {}
     for rec in lay.trace.scalars:
-        ts = int(float(rec[schema.TS]) * 1e6 + 0.5) - origin_us
+        ts = int(rec.ts * 1e6 + 0.5) - origin_us
         for key, value in scalar_values(rec):
             nm = names.get(key)
             if nm is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.analysis.model import iter_process_traces
-from otel_train.analysis.reader import Reader
+from otel_train.analysis.records import Reader
+from otel_train.analysis.spans import iter_processes
 
 if TYPE_CHECKING:
     import pandas
@@ -34,7 +34,7 @@ def to_dataframe(
     except ImportError:
         raise ImportError("to_dataframe needs pandas: pip install 'otel-train[analysis]'") from None
     rows: list[dict[str, Any]] = []
-    for trace in iter_process_traces(path, reader or Reader(), ranks=ranks, steps=steps):
+    for trace in iter_processes(path, reader or Reader(), ranks=ranks, steps=steps):
         for s in trace.spans:
             row = {
                 "source": trace.source, "rank": trace.rank, "attempt": trace.attempt, "host": trace.host,
@@ -43,7 +43,7 @@ def to_dataframe(
                 "error_type": (s.error or {}).get("type"), "error_message": (s.error or {}).get("message"),
                 "span_id": s.span_id, "parent_span_id": s.parent_span_id, "trace_id": s.trace_id, "tid": s.tid,
             }
-            row.update({f"attr.{k}": v for k, v in s.attrs.items()})
+            row.update({f"attr.{k}": v for k, v in (s.attrs or {}).items()})
             rows.append(row)
     frame = pd.DataFrame(rows, columns=None if rows else list(COLUMNS))
     if rows:

@@ -38,17 +38,17 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span as PbSpan
 
 from otel_train import schema
 from otel_train._version import __version__
-from otel_train.analysis.model import STATUS_OPEN, Span
-from otel_train.analysis.reader import (
+from otel_train.analysis.records import (
+    BadLines,
+    Tail,
     ProcessFiles,
     Reader,
     TraceReadError,
-    assign_attempts,
     find_process_files,
-    is_record,
     logs_dir,
     warn_to_stderr,
 )
+from otel_train.analysis.spans import STATUS_OPEN, Span, assign_attempts
 
 DEFAULT_SERVICE_NAME = "otel-train"
 SCOPE_NAME = "otel_train"
@@ -168,7 +168,7 @@ def span_to_proto(span: Span, events: Iterable[Mapping[str, Any]], end_fallback_
     """One span as OTLP; an unclosed span ends at ``end_fallback_ts`` and is marked incomplete."""
     unclosed = span.end_ts is None or span.status in (STATUS_OPEN, schema.STATUS_INCOMPLETE)
     end_ts = span.end_ts if span.end_ts is not None else max(end_fallback_ts, span.start_ts)
-    attrs = dict(span.attrs)
+    attrs = dict(span.attrs or {})
     if span.tid is not None:
         attrs["thread.id"] = span.tid
     if unclosed:
@@ -612,83 +612,6 @@ def replay(
     return stats
 
 
-@dataclass(slots=True)
-class _TailState:
-    offset: int = 0
-    partial: bytes = b""
-    bad_lines: int = 0
-
-
-class RunTailer:
-    """Reads what was appended to a live run's files since the last poll, segment rotation included.
-
-    Files are tracked by inode: a rotated segment (``x.jsonl`` renamed ``x.jsonl.1``) is read on from
-    where it was left before the new active file; a partial last line waits for its newline.
-    """
-
-    def __init__(self, path: str | Path, warn: Callable[[str], None]) -> None:
-        self.path = Path(path)
-        self.malformed_lines = 0
-        self._warn = warn
-        self._files: dict[tuple[int, int], _TailState] = {}
-        self._decoder = msgspec.json.Decoder()
-
-    def poll(self) -> Iterator[tuple[ProcessFiles, list[dict]]]:
-        """New records per process since the last call (empty when nothing was appended)."""
-        try:
-            pfs = find_process_files(self.path)
-        except TraceReadError:
-            if not logs_dir(self.path).is_dir():
-                raise
-            return  # the job has not written its first record yet
-        seen = set()
-        for pf in pfs:
-            records: list[dict] = []
-            for seg in pf.paths:
-                key = self._read_segment(seg, records)
-                if key is not None:
-                    seen.add(key)
-            if records:
-                yield pf, records
-        for gone in set(self._files) - seen:  # deleted segments: forget them so inode reuse starts fresh
-            del self._files[gone]
-
-    def _read_segment(self, seg: Path, out: list[dict]) -> tuple[int, int] | None:
-        try:
-            with seg.open("rb") as f:
-                st = os.fstat(f.fileno())
-                key = (st.st_dev, st.st_ino)
-                state = self._files.setdefault(key, _TailState())
-                if st.st_size < state.offset:  # truncated in place: start over
-                    state.offset, state.partial = 0, b""
-                f.seek(state.offset)
-                data = f.read()
-        except OSError:
-            return None  # rotated away between listing and opening
-        state.offset += len(data)
-        buf = state.partial + data
-        cut = buf.rfind(b"\n")
-        if cut < 0:
-            state.partial = buf
-            return key
-        state.partial = buf[cut + 1 :]
-        for line in buf[:cut].split(b"\n"):
-            if not line.strip():
-                continue
-            try:
-                rec = self._decoder.decode(line)
-            except msgspec.DecodeError:
-                rec = None
-            if is_record(rec):
-                out.append(rec)
-                continue
-            self.malformed_lines += 1
-            state.bad_lines += 1
-            if state.bad_lines == 1:
-                self._warn(f"warning: {seg}: skipped malformed line; further bad lines in this file are only counted")
-        return key
-
-
 def follow(
     path: str | Path,
     sender: Sender,
@@ -709,7 +632,7 @@ def follow(
     by id keeps one of the two. Raises TraceReadError (path missing) and PushError.
     """
     stats = ReplayStats()
-    tailer = RunTailer(path, warn or warn_to_stderr)
+    tailer = Tail(Path(path), BadLines(warn or warn_to_stderr))
     assemblers: dict[tuple[str, int, str], SpanAssembler] = {}
     batcher = RequestBatcher(service_name, batch_spans, extra_resource)
 
@@ -723,7 +646,7 @@ def follow(
             if assembler is None:
                 assembler = assemblers[key] = SpanAssembler(pf.source, pf.rank, None, stats)
                 stats.processes += 1
-            ended = [span for rec in records for span in assembler.feed(rec)]
+            ended = [span for rec in records for span in assembler.feed(msgspec.to_builtins(rec))]
             for request in batcher.add(assembler.meta, ended):  # type: ignore[arg-type]
                 ship(request)
             last_activity = time.monotonic()

@@ -20,7 +20,7 @@ import msgspec
 
 from otel_train import schema
 from otel_train.analysis.chrome import scalar_values, track_tid
-from otel_train.analysis.model import ProcessTrace, Span
+from otel_train.analysis.spans import ProcessState, Span
 from otel_train.analysis.tracks import ProcessLayout, is_incomplete, layout_process
 
 # Trace
@@ -161,7 +161,7 @@ class _Sequence:
         return bytes_field(TRACE_PACKET, body + bytes_field(PKT_TRACK_EVENT, event))
 
 
-def write_perfetto(traces: Iterable[ProcessTrace], f: IO[bytes]) -> tuple[int, int, int, int]:
+def write_perfetto(traces: Iterable[ProcessState], f: IO[bytes]) -> tuple[int, int, int, int]:
     """Stream ``traces`` as a Perfetto protobuf trace; returns (slices, instants, counters, processes)."""
     slices = instants = counters = processes = 0
     next_seq = 1
@@ -237,7 +237,7 @@ def _track_packets(
     on_track = uint_field(TE_TRACK_UUID, uuid)
     all_spans = lay.trace.spans
     recs = lay.trace.instants
-    instant_events = sorted((_ns(float(recs[i][schema.TS])), TYPE_INSTANT, i) for i in instants)
+    instant_events = sorted((_ns(recs[i].ts), TYPE_INSTANT, i) for i in instants)
     for ts, kind, i in heapq.merge(_slice_order(lay, spans), instant_events, key=lambda e: e[0]):
         if kind == TYPE_SLICE_END:
             yield seq.packet(ts, uint_field(TE_TYPE, TYPE_SLICE_END) + on_track)
@@ -248,13 +248,11 @@ def _track_packets(
         else:
             rec = recs[i]
             args = b""
-            if rec.get(schema.STEP) is not None:
-                args += debug_annotation(schema.STEP, rec[schema.STEP])
-            attrs = rec.get(schema.ATTRS)
-            if isinstance(attrs, dict):
-                args += b"".join(debug_annotation(str(k), v) for k, v in attrs.items())
-            yield seq.packet(ts, uint_field(TE_TYPE, TYPE_INSTANT) + on_track + args,
-                             str(rec.get(schema.NAME, "")))
+            if rec.step is not None:
+                args += debug_annotation(schema.STEP, rec.step)
+            if rec.attrs:
+                args += b"".join(debug_annotation(str(k), v) for k, v in rec.attrs.items())
+            yield seq.packet(ts, uint_field(TE_TYPE, TYPE_INSTANT) + on_track + args, rec.name)
 
 
 def _span_annotations(span: Span) -> bytes:
@@ -263,7 +261,7 @@ def _span_annotations(span: Span) -> bytes:
         out.append(debug_annotation(schema.STEP, span.step))
     out.append(debug_annotation(schema.SPAN_ID, span.span_id))
     out.append(debug_annotation(schema.STATUS, span.status))
-    for key, value in span.attrs.items():
+    for key, value in (span.attrs or {}).items():
         out.append(debug_annotation(str(key), value))
     if span.error is not None:
         out.append(debug_annotation(schema.ERROR, span.error))
@@ -277,8 +275,8 @@ def _counter_packets(lay: ProcessLayout, seq: _Sequence) -> tuple[int, list[byte
     uuids: dict[str, int] = {}
     out: list[bytes] = []
     events: list[bytes] = []
-    for rec in sorted(lay.trace.scalars, key=lambda r: float(r[schema.TS])):
-        ts = _ns(float(rec[schema.TS]))
+    for rec in sorted(lay.trace.scalars, key=lambda r: r.ts):
+        ts = _ns(rec.ts)
         for key, value in scalar_values(rec):
             uuid = uuids.get(key)
             if uuid is None:

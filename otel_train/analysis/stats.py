@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from otel_train.analysis.digest import NO_STEP, ProcessDigest, Run, load_run
+from otel_train.analysis.spans import NO_STEP, ProcessState, Run, load_run
 from otel_train.phases import STEP
 
 
@@ -26,16 +26,7 @@ def median(values: Sequence[float]) -> float:
     return quantiles(np.asarray(values, dtype=float), (0.5,))[0]
 
 
-def groups(run: Run) -> Iterator[list[ProcessDigest]]:
-    """Processes that ran together: one list per (source, attempt), ranks ascending."""
-    by_key: dict[tuple[str, int], list[ProcessDigest]] = {}
-    for d in run.processes:
-        by_key.setdefault((d.source, d.attempt), []).append(d)
-    for key in sorted(by_key):
-        yield by_key[key]
-
-
-def durations(d: ProcessDigest, phase: str) -> tuple[np.ndarray, np.ndarray]:
+def durations(d: ProcessState, phase: str) -> tuple[np.ndarray, np.ndarray]:
     """(steps, ms) columns of one phase's closed spans, zero-copy views of the digest's arrays."""
     series = d.phases.get(phase)
     if series is None or not series.durs:
@@ -43,7 +34,7 @@ def durations(d: ProcessDigest, phase: str) -> tuple[np.ndarray, np.ndarray]:
     return np.frombuffer(series.steps, dtype=np.int64), np.frombuffer(series.durs, dtype=np.float64)
 
 
-def per_step(d: ProcessDigest, phase: str) -> tuple[np.ndarray, np.ndarray]:
+def per_step(d: ProcessState, phase: str) -> tuple[np.ndarray, np.ndarray]:
     """(unique steps ascending, total ms in ``phase`` per step): several spans of one step add up."""
     steps, durs = durations(d, phase)
     keep = steps != NO_STEP
@@ -52,7 +43,7 @@ def per_step(d: ProcessDigest, phase: str) -> tuple[np.ndarray, np.ndarray]:
     return uniq, np.bincount(inverse, weights=durs, minlength=uniq.size)
 
 
-def step_axis(group: Sequence[ProcessDigest], phases: Iterable[str]) -> np.ndarray:
+def step_axis(group: Sequence[ProcessState], phases: Iterable[str]) -> np.ndarray:
     """Every step any process of the group recorded in any of ``phases``, ascending."""
     cols = [per_step(d, p)[0] for d in group for p in phases]
     return np.unique(np.concatenate(cols)) if cols else np.empty(0, np.int64)
@@ -82,7 +73,7 @@ class PeerTable:
     peers: np.ndarray
 
 
-def peer_table(group: Sequence[ProcessDigest], phase: str, steps: np.ndarray | None = None) -> PeerTable:
+def peer_table(group: Sequence[ProcessState], phase: str, steps: np.ndarray | None = None) -> PeerTable:
     """Compare every process with the median of its peers at the same step (on ``steps`` if given)."""
     axis = step_axis(group, [phase]) if steps is None else steps
     durs = np.full((axis.size, len(group)), np.nan)
@@ -185,7 +176,7 @@ def _step_rows(run: Run) -> list[dict[str, Any]]:
 def _score_rows(run: Run) -> list[dict[str, Any]]:
     rows = []
     order = run.phase_order()
-    for group in groups(run):
+    for group in run.groups():
         if len(group) < 2:
             continue
         for name in (n for n in order if any(n in d.phases for d in group)):

@@ -1,52 +1,15 @@
-"""Where each process stopped, phase timings, and findings that name the culprit.
-
-Findings (``kind``), decided per group of processes that ran together (same source and attempt):
-
-* ``hang``: a rank stopped inside a span (open, or ended ``incomplete`` by shutdown). Each stopped
-  rank gets a position (step, then the phase's place in the step); the ranks furthest behind are
-  the culprits and the ranks ahead of them, blocked in a collective waiting, are victims. When every
-  stopped rank is at the same place and nothing else explains it, one finding with ``rank: null``
-  says so (naming ranks missing from the trace when ``world_size`` says there should be more).
-* ``crash``: a process ended without shutdown (no ``process_end`` instant) and no open peer is to
-  blame: it died outside any span before any peer got stuck, or it died inside one while its peers
-  lived on to shut down (or it ran alone). Peers stopped while waiting for a crashed rank are
-  victims; a death after a peer got stuck is that peer's echo, not a finding.
-* ``error``: a span ended with an exception; one finding per (rank, innermost span, exception type)
-  with a count. Errors a victim raised after the hang/crash culprit stopped (collective timeouts)
-  are not findings.
-* ``straggler``: a rank slower than the median of its peers in one phase in at least half of the
-  shared steps. Excess that is explained by waiting (a peer arrived later at this phase because it
-  was slower in an earlier phase of the same step) is discounted, so the rank that is slow in
-  ``data_fetch`` is named, not the peers that wait for it in ``backward``.
-* ``restart``: an attempt after the first; says whether it got further than the one before.
-"""
+"""The ``summarize`` answer: where each process stopped, phase timings, and the findings."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from otel_train.analysis.digest import NO_STEP, ErrorSpan, ProcessDigest, Run, load_run
-from otel_train.analysis.stats import durations, groups, peer_table, quantiles, step_axis
-from otel_train.phases import STEP
-
-HANG = "hang"
-CRASH = "crash"
-ERROR = "error"
-STRAGGLER = "straggler"
-RESTART = "restart"
-FINDING_KINDS = (HANG, CRASH, ERROR, STRAGGLER, RESTART)
-
-STRAGGLER_MIN_RATIO = 1.25
-"""A step counts as slow when the rank took at least this multiple of its peer median ..."""
-STRAGGLER_MIN_EXCESS_MS = 0.5
-"""... and at least this many ms more, after discounting time spent waiting for a later peer."""
-STRAGGLER_MIN_FRACTION = 0.5
-"""Slow in at least this fraction of the shared steps (and in at least 3) makes a straggler."""
+from otel_train.analysis.findings import findings
+from otel_train.analysis.spans import NO_STEP, ProcessState, Run, load_run
+from otel_train.analysis.stats import durations, quantiles
 
 
 def summarize(path: str | Path, **load_kwargs: Any) -> dict[str, Any]:
@@ -55,7 +18,7 @@ def summarize(path: str | Path, **load_kwargs: Any) -> dict[str, Any]:
 
 
 def summarize_run(run: Run) -> dict[str, Any]:
-    """The CONTRACT ``summarize --json`` object: processes, unclosed, phases, findings, malformed_lines."""
+    """The ``summarize --json`` object (docs/cli.md): processes, unclosed, phases, findings, malformed_lines."""
     order = run.phase_order()
     return {
         "processes": [_process_row(d) for d in run.processes],
@@ -66,7 +29,7 @@ def summarize_run(run: Run) -> dict[str, Any]:
     }
 
 
-def _process_row(d: ProcessDigest) -> dict[str, Any]:
+def _process_row(d: ProcessState) -> dict[str, Any]:
     return {
         "rank": d.rank,
         "attempt": d.attempt,
@@ -84,15 +47,8 @@ def _process_row(d: ProcessDigest) -> dict[str, Any]:
     }
 
 
-def _last_phase(d: ProcessDigest) -> str | None:
-    inner = d.innermost
-    if inner is None:
-        return None
-    return d.last_closed if inner.name == STEP and d.last_closed else inner.name
-
-
-def _unclosed_rows(d: ProcessDigest) -> list[dict[str, Any]]:
-    last_phase = _last_phase(d)
+def _unclosed_rows(d: ProcessState) -> list[dict[str, Any]]:
+    last_phase = d.last_phase()
     return [
         {
             "rank": d.rank,
@@ -114,7 +70,7 @@ def _phase_rows(run: Run, order: list[str]) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         columns: list[np.ndarray] = []
-        slowest: tuple[float, ProcessDigest, int] | None = None
+        slowest: tuple[float, ProcessState, int] | None = None
         for d in run.processes:
             steps, durs = durations(d, name)
             if not durs.size:
@@ -145,296 +101,3 @@ def _phase_rows(run: Run, order: list[str]) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def _finding(kind: str, d: ProcessDigest | None, step: int | None, phase: str | None, message: str, **extra: Any):
-    return {
-        "kind": kind,
-        "rank": d.rank if d is not None else None,
-        "attempt": d.attempt if d is not None else extra.pop("attempt", None),
-        "step": step,
-        "phase": phase,
-        "message": message,
-        **extra,
-    }
-
-
-def findings(run: Run) -> list[dict[str, Any]]:
-    """All findings, culprits only: hangs and crashes first, then errors, stragglers, restarts."""
-    order = {name: i for i, name in enumerate(run.phase_order())}
-    out: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
-    stragglers: list[dict[str, Any]] = []
-    for group in groups(run):
-        culprits, stop_found = _stop_findings(group, order)
-        out.extend(stop_found)
-        errors.extend(_error_findings(group, culprits))
-        stragglers.extend(_straggler_findings(group, run.phase_order()))
-    return out + errors + stragglers + _restart_findings(run)
-
-
-def _ranks(ds: Sequence[ProcessDigest]) -> str:
-    return ",".join(str(d.rank) for d in ds)
-
-
-def _where(d: ProcessDigest) -> tuple[int | None, str | None]:
-    inner = d.innermost
-    if inner is None:
-        return d.final_step, d.last_closed
-    return (inner.step if inner.step is not None else d.final_step), _last_phase(d)
-
-
-def _position(d: ProcessDigest, order: dict[str, int]) -> tuple[int, float]:
-    step, _ = _where(d)
-    inner = d.innermost
-    assert inner is not None
-    if inner.name == STEP:
-        # Between phases: just after the last phase that closed in this step.
-        place = order.get(d.last_closed, -1) + 0.5 if d.last_closed else -0.5
-    else:
-        place = float(order.get(inner.name, len(order)))
-    return (step if step is not None else -1, place)
-
-
-def _stop_findings(
-    group: list[ProcessDigest], order: dict[str, int]
-) -> tuple[list[ProcessDigest], list[dict[str, Any]]]:
-    """Hang and crash findings of one group; returns (culprits, findings)."""
-    stopped = [d for d in group if d.unclosed]
-    others = [d for d in group if not d.unclosed]
-    died_outside = [d for d in others if not d.ended_cleanly]
-    if stopped:
-        # Only a death before anyone got stuck can explain the stuck ones; a later one is their echo
-        # (e.g. a collective failing once the stuck rank was killed).
-        first_stop = min(d.innermost.start_ts for d in stopped)  # type: ignore[union-attr]
-        died_outside = [d for d in died_outside if (d.last_ts or 0.0) <= first_stop]
-    found = []
-    for d in died_outside:
-        step, phase = _where(d)
-        found.append(
-            _finding(
-                CRASH, d, step, phase,
-                f"rank {d.rank} (attempt {d.attempt}) ended without shutdown after step {step}"
-                f" (last record: {d.last_event}); it died outside any span",
-            )
-        )
-    culprits = list(died_outside)
-    if not stopped or died_outside:
-        return culprits, found  # stopped ranks, if any, were waiting for the crashed one
-    failed = _fatal_error_before(stopped, others)
-    if failed is not None:
-        return [failed], found  # the launcher stopped the peers after this rank raised: victims
-    pos = {id(d): _position(d, order) for d in stopped}
-    lowest = min(pos.values())
-    behind = [d for d in stopped if pos[id(d)] == lowest]
-    ahead = [d for d in stopped if pos[id(d)] != lowest]
-    if not ahead and not others:
-        dead = [d for d in stopped if not d.ended_cleanly]
-        if 0 < len(dead) < len(stopped):
-            behind, ahead = dead, [d for d in stopped if d.ended_cleanly]
-        elif len(stopped) > 1:
-            found.append(_all_stopped(stopped))
-            return culprits, found
-    for d in behind:
-        step, phase = _where(d)
-        alone = len(group) == 1
-        crashed = not d.ended_cleanly and (alone or any(p.ended_cleanly for p in group if p is not d))
-        chain = " > ".join(u.name for u in d.unclosed)
-        waiting = ""
-        if ahead:
-            places = sorted({_where(p)[1] or "?" for p in ahead})
-            waiting = f"; peers {_ranks(ahead)} waited in {'/'.join(places)}"
-        elif others:
-            waiting = f"; peers {_ranks(others)} did not stop inside a span"
-        if crashed:
-            message = f"rank {d.rank} (attempt {d.attempt}) died without shutdown inside {chain} at step {step}{waiting}"
-        else:
-            message = f"rank {d.rank} (attempt {d.attempt}) stopped inside {chain} at step {step}{waiting}"
-        found.append(_finding(CRASH if crashed else HANG, d, step, phase, message))
-        culprits.append(d)
-    return culprits, found
-
-
-def _fatal_error_before(stopped: list[ProcessDigest], others: list[ProcessDigest]) -> ProcessDigest | None:
-    """A rank that did not stop inside a span but raised (outside a collective) in its last step
-    before any stopped rank's last record: the stopped ranks were waiting for it, then killed."""
-    errors = {id(d): [e for e in _innermost_errors(d) if e.step == d.final_step] for d in others}
-    first = _first_error(errors, others)
-    if first is None or is_collective_failure(first[1].error_type, first[1].message):
-        return None
-    if all(first[1].ts <= (d.last_ts or 0.0) for d in stopped):
-        return first[0]
-    return None
-
-
-def _all_stopped(stopped: list[ProcessDigest]) -> dict[str, Any]:
-    first = stopped[0]
-    step, phase = _where(first)
-    world = max((d.world_size or 0) for d in stopped)
-    present = {d.rank for d in stopped}
-    missing = [r for r in range(world) if r not in present]
-    hint = (
-        f"; ranks {','.join(map(str, missing))} wrote no trace for this attempt: look there"
-        if missing
-        else "; no rank stands out: suspect a collective, the network or storage"
-    )
-    return _finding(
-        HANG, None, step, phase,
-        f"all {len(stopped)} ranks of attempt {first.attempt} stopped in {phase} at step {step}{hint}",
-        attempt=first.attempt,
-        ranks=sorted(present),
-    )
-
-
-def _innermost_errors(d: ProcessDigest) -> list[ErrorSpan]:
-    parents = {e.parent_span_id for e in d.errors}
-    return [e for e in d.errors if e.span_id not in parents]
-
-
-_COLLECTIVE_FAILURE = re.compile(
-    r"gloo|nccl|closed by peer|connection (?:closed|reset|refused)|broken pipe|timed out|timeout|watchdog"
-    r"|process ?group|collective|Dist(?:Backend|Network|Store)Error",
-    re.IGNORECASE,
-)
-"""An error that a rank gets when a peer of its collective died or never arrived (gloo, NCCL, c10d)."""
-
-
-def is_collective_failure(error_type: str, message: str) -> bool:
-    """Whether an exception looks like a failed collective (a peer died or never arrived)."""
-    return _COLLECTIVE_FAILURE.search(f"{error_type}: {message}") is not None
-
-
-def _first_error(
-    errors: dict[int, list[ErrorSpan]], group: list[ProcessDigest]
-) -> tuple[ProcessDigest, ErrorSpan] | None:
-    """The error that came first, preferring one raised outside a collective: its rank is the culprit."""
-    found = [(e.ts, i, d, e) for i, d in enumerate(group) for e in errors[id(d)]]
-    own = [f for f in found if not is_collective_failure(f[3].error_type, f[3].message)]
-    first = min(own or found, default=None, key=lambda f: (f[0], f[1]))
-    return None if first is None else (first[2], first[3])
-
-
-def _error_findings(group: list[ProcessDigest], culprits: list[ProcessDigest]) -> list[dict[str, Any]]:
-    """One finding per (rank, innermost failing span, exception type), culprits only.
-
-    Dropped as victims: a rank's errors after a hang/crash culprit stopped, and collective failures
-    ("Connection closed by peer", NCCL/gloo errors, timeouts) raised after another rank's first error;
-    the culprit's finding names those ranks.
-    """
-    stop_ts = min(
-        ((c.innermost.start_ts if c.innermost else c.last_ts) or 0.0 for c in culprits), default=None
-    )
-    errors = {id(d): _innermost_errors(d) for d in group}
-    first = _first_error(errors, group)
-    victims: list[tuple[ProcessDigest, ErrorSpan]] = []
-    out = []
-    culprit_finding: dict[str, Any] | None = None
-    for d in group:
-        victim = stop_ts is not None and d not in culprits
-        by_key: dict[tuple[str, str], list[ErrorSpan]] = {}
-        for e in errors[id(d)]:
-            if victim and e.ts >= stop_ts:  # type: ignore[operator]
-                continue  # e.g. a collective timing out because the culprit never arrived
-            if first is not None and d is not first[0] and e.ts >= first[1].ts and is_collective_failure(
-                e.error_type, e.message
-            ):
-                victims.append((d, e))  # its all-reduce failed because the first rank to fail went away
-                continue
-            by_key.setdefault((e.name, e.error_type), []).append(e)
-        for (name, etype), errs in by_key.items():
-            e = errs[0]
-            times = f" ({len(errs)} times, first at step {e.step})" if len(errs) > 1 else ""
-            out.append(
-                _finding(
-                    ERROR, d, e.step, name,
-                    f"rank {d.rank} (attempt {d.attempt}): {name} raised {etype}: {e.message} at step {e.step}{times}",
-                    count=len(errs),
-                )
-            )
-            if first is not None and first[1] in errs:
-                culprit_finding = out[-1]
-    if victims and culprit_finding is not None:
-        ranks = sorted({d.rank for d, _ in victims})
-        places = "/".join(sorted({e.name for _, e in victims}))
-        culprit_finding["message"] += (
-            f"; peers {','.join(map(str, ranks))} then failed in {places} with collective errors (victims)"
-        )
-        culprit_finding["victims"] = ranks
-    return out
-
-
-def _straggler_findings(group: list[ProcessDigest], order: list[str]) -> list[dict[str, Any]]:
-    if len(group) < 2:
-        return []
-    names = [n for n in order if any(n in d.phases for d in group)]
-    children = {n for n in names if any(d.parents.get(n) == STEP for d in group)}
-    axis = step_axis(group, names)
-    # How late each rank arrived at the current step-child phase: its summed excess over its peers
-    # in the earlier child phases of the same step. Waiting for a later peer is explained excess.
-    lateness = np.zeros((axis.size, len(group)))
-    out = []
-    for name in names:
-        table = peer_table(group, name, axis)
-        durs, refs = table.durs, table.peers
-        excess = durs - refs
-        explained = lateness.max(axis=1, keepdims=True) - lateness if name in children else 0.0
-        with np.errstate(invalid="ignore"):
-            slow = (durs >= STRAGGLER_MIN_RATIO * refs) & (
-                excess - explained >= np.maximum(STRAGGLER_MIN_EXCESS_MS, 0.25 * refs)
-            )
-        counted = (~np.isnan(excess)).sum(axis=0)
-        if name in children:
-            lateness += np.nan_to_num(excess)
-        for j, d in enumerate(group):
-            hits = int(slow[:, j].sum())
-            n = int(counted[j])
-            if not n or hits < max(3, STRAGGLER_MIN_FRACTION * n):
-                continue
-            mask = slow[:, j]
-            ratio = float(np.median(durs[mask, j] / refs[mask, j]))
-            extra = float(np.median(excess[mask, j]))
-            worst = int(np.flatnonzero(mask)[excess[mask, j].argmax()])
-            worst_step, worst_ms = int(axis[worst]), float(excess[worst, j])
-            out.append(
-                _finding(
-                    STRAGGLER, d, worst_step, name,
-                    f"rank {d.rank} (attempt {d.attempt}) is slower than its peers in {name} in "
-                    f"{hits}/{n} steps: {ratio:.1f}x the peer median (+{extra:.1f} ms per step; "
-                    f"worst at step {worst_step}, +{worst_ms:.1f} ms)",
-                    score=ratio,
-                    slow_steps=hits,
-                    steps=n,
-                )
-            )
-    return out
-
-
-def _restart_findings(run: Run) -> list[dict[str, Any]]:
-    out = []
-    by_source: dict[str, dict[int, list[ProcessDigest]]] = {}
-    for d in run.processes:
-        by_source.setdefault(d.source, {}).setdefault(d.attempt, []).append(d)
-    for attempts in by_source.values():
-        ordered = sorted(attempts)
-        for prev, cur in zip(ordered, ordered[1:]):
-            before = _reach(attempts[prev])
-            after = _reach(attempts[cur])
-            start = min((d.first_step for d in attempts[cur] if d.first_step is not None), default=None)
-            if after is not None and (before is None or after > before):
-                verdict = f"made progress: reached step {after} (+{after - (before or 0)} beyond attempt {prev})"
-            else:
-                verdict = f"made no progress: reached step {after}, attempt {prev} had reached {before}"
-            out.append(
-                _finding(
-                    RESTART, None, start, None,
-                    f"attempt {cur} ({len(attempts[cur])} ranks) restarted at step {start} after attempt {prev} "
-                    f"stopped at step {before}; it {verdict}",
-                    attempt=cur,
-                    progress=after is not None and (before is None or after > before),
-                )
-            )
-    return out
-
-
-def _reach(ds: list[ProcessDigest]) -> int | None:
-    return max((d.final_step for d in ds if d.final_step is not None), default=None)

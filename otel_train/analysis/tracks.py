@@ -7,7 +7,7 @@ own. ``assign_tracks`` is a greedy sweep in start order: a span joins its parent
 parent is the innermost open slice there (same thread, and the parent contains it), else the first
 idle track of its thread, else a new track. Sequential tasks therefore reuse tracks.
 
-``layout_process`` turns a ``ProcessTrace`` into what both writers (Chrome JSON, Perfetto protobuf)
+``layout_process`` turns a ``ProcessState`` into what both writers (Chrome JSON, Perfetto protobuf)
 emit: display names, effective span ends (unclosed spans run to the process's last timestamp) and
 the track of every span and instant.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from otel_train import schema
-from otel_train.analysis.model import ProcessTrace, Span
+from otel_train.analysis.spans import ProcessState, Span
 
 DEFAULT_SOURCE = "training"
 
@@ -108,7 +108,7 @@ def _name_tracks(tracks: list[Track]) -> None:
 class ProcessLayout:
     """A process ready to write: names, tracks, and per-span effective ends and track indices."""
 
-    trace: ProcessTrace
+    trace: ProcessState
     index: int  # 0-based position in the export; the synthetic pid is index + 1
     name: str
     labels: str
@@ -123,7 +123,7 @@ class ProcessLayout:
         return self.index + 1
 
 
-def process_name(trace: ProcessTrace) -> str:
+def process_name(trace: ProcessState) -> str:
     """``rank 3``, ``rank 3 (attempt 1)``; the source is added when it is not the default one."""
     name = f"rank {trace.rank}"
     if trace.source != DEFAULT_SOURCE:
@@ -133,7 +133,7 @@ def process_name(trace: ProcessTrace) -> str:
     return name
 
 
-def process_labels(trace: ProcessTrace) -> str:
+def process_labels(trace: ProcessState) -> str:
     """Host and real pid, shown next to the process name."""
     parts = []
     if trace.host:
@@ -143,7 +143,7 @@ def process_labels(trace: ProcessTrace) -> str:
     return ", ".join(parts)
 
 
-def layout_process(trace: ProcessTrace, index: int) -> ProcessLayout:
+def layout_process(trace: ProcessState, index: int) -> ProcessLayout:
     """Effective ends, track assignment for spans and instants, and display names of one process."""
     spans = trace.spans
     if any(spans[i].start_ts > spans[i + 1].start_ts for i in range(len(spans) - 1)):
@@ -166,7 +166,7 @@ def layout_process(trace: ProcessTrace, index: int) -> ProcessLayout:
 
 
 def _instant_tracks(
-    trace: ProcessTrace, spans: list[Span], span_tracks: list[int], tracks: list[Track]
+    trace: ProcessState, spans: list[Span], span_tracks: list[int], tracks: list[Track]
 ) -> list[int]:
     """An instant goes on its enclosing span's track, else its thread's first track, else track 0."""
     if not trace.instants:
@@ -177,9 +177,9 @@ def _instant_tracks(
         first_of_tid.setdefault(track.tid, track.index)
     out = []
     for rec in trace.instants:
-        index = by_span.get(rec.get(schema.SPAN_ID) or "")
+        index = by_span.get(rec.span_id or "")
         if index is None:
-            tid = rec.get(schema.TID)
+            tid = rec.tid
             index = first_of_tid.get(tid)
             if index is None:
                 index = len(tracks)

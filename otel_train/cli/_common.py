@@ -17,8 +17,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from otel_train.analysis.digest import Run, load_run
-from otel_train.analysis.reader import TraceReadError, find_process_files
+from otel_train.analysis.records import TraceReadError, find_process_files
+from otel_train.analysis.spans import Run, load_run
 
 EXIT_NO_TRACES = 2
 EXIT_FAILURE = 1

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from otel_train.analysis.chrome import FORMATS, default_output, export_trace
-from otel_train.analysis.reader import Reader
+from otel_train.analysis.records import Reader
 from otel_train.cli._app import app
 from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
 

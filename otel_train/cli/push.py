@@ -25,7 +25,7 @@ from otel_train.analysis.otlp_replay import (
     parse_headers,
     replay,
 )
-from otel_train.analysis.reader import Reader, TraceReadError, find_process_files
+from otel_train.analysis.records import Reader, TraceReadError, find_process_files
 from otel_train.cli._app import app
 
 

@@ -1,4 +1,4 @@
-"""Reader and span model: file discovery, rotation order, bad lines, pairing, attempts, step filter."""
+"""Records and the span model: file discovery, rotation order, bad lines, pairing, attempts, step filter."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from otel_train import schema
-from otel_train.analysis.model import STATUS_OPEN, iter_process_traces
-from otel_train.analysis.reader import (
+from otel_train.analysis.spans import STATUS_OPEN, assign_attempts, iter_processes
+from otel_train.analysis.records import (
     ProcessFiles,
     Reader,
     TraceReadError,
-    assign_attempts,
     find_process_files,
 )
 from analysis_fixtures import Proc, write_run
@@ -96,7 +95,7 @@ def test_model_pairs_spans_and_marks_unclosed(tmp_path: Path) -> None:
     killed.steps(range(4))
     killed.stop_inside(4, ["forward"])  # SIGKILL: no end records, no process_end
     write_run(tmp_path, [alive, killed])
-    a, k = list(iter_process_traces(tmp_path, Reader()))
+    a, k = list(iter_processes(tmp_path, Reader()))
     assert (a.rank, k.rank) == (0, 1)
     assert a.ended_cleanly and not k.ended_cleanly
     assert [s.name for s in a.spans if s.status == schema.STATUS_INCOMPLETE] == ["step", "data_fetch"]
@@ -120,7 +119,7 @@ def test_span_whose_start_rotated_away_is_rebuilt(tmp_path: Path) -> None:
     logs = tmp_path / schema.STRUCTURED_LOGS_DIR
     oldest = max(logs.iterdir(), key=lambda f: int(f.name.rsplit(".", 1)[-1]) if f.name[-1].isdigit() else 0)
     oldest.unlink()  # backup_count exceeded: the oldest segment is gone
-    (trace,) = iter_process_traces(tmp_path, Reader())
+    (trace,) = iter_processes(tmp_path, Reader())
     step0 = next(s for s in trace.spans if s.name == "step" and s.step == 0)
     assert step0.status == schema.STATUS_OK and step0.dur_ms == pytest.approx(75.0, abs=1e-3)
 
@@ -132,7 +131,7 @@ def test_attempts_from_records_and_restart_numbering(tmp_path: Path) -> None:
         p.steps(range(2))
         p.shutdown()
     write_run(tmp_path, [second, first])
-    traces = list(iter_process_traces(tmp_path, Reader()))
+    traces = list(iter_processes(tmp_path, Reader()))
     assert [(t.rank, t.attempt, t.pid) for t in traces] == [(0, 0, first.pid), (0, 1, second.pid)]
 
     # Two instances that both claim attempt 0 (a restart the launcher did not number): by start time.
@@ -148,7 +147,7 @@ def test_attempts_from_records_and_restart_numbering(tmp_path: Path) -> None:
 
 def test_rank_and_step_filters(tmp_path: Path) -> None:
     _run(tmp_path, n_steps=10)
-    (trace,) = iter_process_traces(tmp_path, Reader(), ranks={1}, steps=(3, 4))
+    (trace,) = iter_processes(tmp_path, Reader(), ranks={1}, steps=(3, 4))
     assert trace.rank == 1
     assert {s.step for s in trace.spans} == {3, 4}
     assert len([s for s in trace.spans if s.name == "step"]) == 2
@@ -177,4 +176,4 @@ def test_reader_never_raises_on_random_or_truncated_input(tmp_path: Path, lines:
     nonblank = [ln for ln in data.split(b"\n") if ln.strip()]
     assert len(good) + reader.malformed_lines == len(nonblank)
     assert all(isinstance(r, dict) and schema.KIND in r for r in good)
-    list(iter_process_traces(tmp_path, Reader(warn=lambda m: None)))  # never raises either
+    list(iter_processes(tmp_path, Reader(warn=lambda m: None)))  # never raises either

@@ -1,0 +1,536 @@
+"""The span model: records paired into spans, one :class:`ProcessState` per process attempt.
+
+This is the only place that knows how records make spans; every reader builds on it (summarize,
+stats, findings, every export format, push and ``push --follow``, live ``watch``):
+
+* a ``span_start`` and the ``span_end`` with the same ``span_id`` make one span; its step is the
+  step of its start record;
+* an end whose start is missing (it rotated away) is a span that started ``dur_ms`` before its end;
+* a start without an end is *open* (the process died inside it, or is still inside it);
+* an end with status ``incomplete`` (ended by shutdown) is *unclosed* like an open span;
+* an end with status ``error`` is an error span;
+* a ``process_end`` instant means the process ended through ``shutdown()``;
+* attempts come from the ``attempt`` field of a process's first records, numbered by start time
+  when missing or claimed twice (:func:`assign_attempts`);
+* the step window keeps spans, instants and scalars of the wanted steps, and step-less spans that
+  overlap them in time (:func:`keep_steps`).
+
+A :class:`ProcessState` is fed record batches in file order (:meth:`ProcessState.feed`): whole files
+in 1 MiB batches, or what a tail of a growing file read since the last poll; both see the same state.
+It keeps per-phase duration columns (what summaries need) and, with ``keep=True``, the spans,
+instants and scalars themselves (what export and push need).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import threading
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from otel_train import schema
+from otel_train.analysis.records import (
+    AnyRecord,
+    Head,
+    Instant,
+    ProcessFiles,
+    Reader,
+    Scalar,
+    SpanEnd,
+    SpanStart,
+    Warn,
+    find_process_files,
+    head,
+    warn_to_stderr,
+)
+from otel_train.phases import STEP, STEP_PHASES
+
+STATUS_OPEN = "open"
+"""A span with a start record and no end record (the process died inside it, or is still inside)."""
+UNCLOSED = (STATUS_OPEN, schema.STATUS_INCOMPLETE)
+
+NO_STEP = -1
+"""Step column value for a span recorded outside any step."""
+
+PARALLEL_MIN_BYTES = 32 << 20
+"""Runs at least this big are read by a process pool (below it, starting workers costs more than it saves)."""
+
+
+class Span(msgspec.Struct, gc=False):
+    """One span. ``end_ts`` is None while open; ``status``: ok, error, incomplete, or open.
+
+    A msgspec Struct: a big run makes hundreds of thousands, and Struct construction is C code.
+    """
+
+    name: str
+    span_id: str
+    parent_span_id: str | None
+    trace_id: str | None
+    start_ts: float
+    end_ts: float | None
+    status: str
+    tid: int | None
+    step: int | None
+    attrs: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    context: AnyRecord | None = None  # the start (or orphan end) record: step context, tags
+
+    @property
+    def dur_ms(self) -> float | None:
+        """Duration in milliseconds, None while open."""
+        return None if self.end_ts is None else (self.end_ts - self.start_ts) * 1000.0
+
+    @property
+    def unclosed(self) -> bool:
+        """Still running when the process stopped: open, or ended as incomplete by shutdown."""
+        return self.status in UNCLOSED
+
+
+@dataclass(slots=True)
+class PhaseSeries:
+    """Closed spans of one name: parallel columns of step (``NO_STEP`` when none), ms, and end time."""
+
+    steps: array = field(default_factory=lambda: array("q"))
+    durs: array = field(default_factory=lambda: array("d"))
+    ends: array = field(default_factory=lambda: array("d"))
+
+
+@dataclass(slots=True)
+class OpenSpan:
+    """A span still running when the process stopped (or now): status ``open`` or ``incomplete``."""
+
+    name: str
+    span_id: str
+    parent_span_id: str | None
+    step: int | None
+    start_ts: float
+    status: str
+    tid: int | None = None
+
+
+@dataclass(slots=True)
+class ErrorSpan:
+    """A span that ended with an exception."""
+
+    name: str
+    span_id: str
+    parent_span_id: str | None
+    step: int | None
+    ts: float
+    error_type: str
+    message: str
+
+
+_PLAIN_END = (schema.STATUS_OK, None)
+_ts = attrgetter("ts")
+_start_ts = attrgetter("start_ts")
+
+
+class ProcessState:
+    """What one process attempt wrote so far, fed record batches in file order (see the module doc)."""
+
+    __slots__ = (
+        "source", "rank", "attempt", "instance", "keep",
+        "host", "pid", "world_size", "local_rank", "run_id", "job_id",
+        "first_ts", "last_ts", "last_event", "first_step", "final_step", "relative_step",
+        "records", "malformed", "ended_cleanly", "last_closed", "last_heartbeat_ts",
+        "phases", "parents", "errors", "incomplete", "stalls", "opened",
+        "spans", "instants", "scalars", "_sinks",
+    )
+
+    def __init__(self, source: str, rank: int, attempt: int, instance: str = "", *, keep: bool = False) -> None:
+        self.source, self.rank, self.attempt, self.instance, self.keep = source, rank, attempt, instance, keep
+        self.host: str | None = None
+        self.pid: int | None = None
+        self.world_size: int | None = None
+        self.local_rank: int | None = None
+        self.run_id: str | None = None
+        self.job_id: str | None = None
+        self.first_ts: float | None = None
+        self.last_ts: float | None = None
+        self.last_event: str | None = None
+        self.first_step: int | None = None
+        self.final_step: int | None = None
+        self.relative_step: int | None = None
+        self.records = 0
+        self.malformed = 0
+        self.ended_cleanly = False
+        self.last_closed: str | None = None  # last phase that closed inside the current step
+        self.last_heartbeat_ts: float | None = None
+        self.phases: dict[str, PhaseSeries] = {}
+        self.parents: dict[str, str | None] = {}
+        self.errors: list[ErrorSpan] = []
+        self.incomplete: list[OpenSpan] = []  # ended by shutdown
+        self.stalls: dict[str, Instant] = {}  # the latest stall record per stalled span id
+        self.opened: dict[str | None, SpanStart] = {}  # start records without an end yet, in start order
+        self.spans: list[Span] = []  # keep=True: closed spans, in end order
+        self.instants: list[Instant] = []  # keep=True
+        self.scalars: list[Scalar] = []  # keep=True
+        self._sinks: dict[str, tuple[Callable[[Any], None], ...]] = {}
+
+    @classmethod
+    def of(cls, pf: ProcessFiles, attempt: int, *, keep: bool = False, meta: Head | None = None) -> ProcessState:
+        """A state for the process ``pf`` with its identity taken from ``meta`` (or the file's head)."""
+        state = cls(pf.source, pf.rank, attempt, pf.instance, keep=keep)
+        state.identify(meta if meta is not None else head(pf))
+        return state
+
+    def identify(self, meta: Head | None) -> None:
+        """Take host, pid, world size, local rank, run and job id from a file head."""
+        if meta is not None:
+            self.host, self.pid, self.world_size = meta.host, meta.pid, meta.world_size
+            self.local_rank, self.run_id, self.job_id = meta.local_rank, meta.run_id, meta.job_id
+
+    # -- feeding --------------------------------------------------------------------------------
+
+    def feed(self, items: list[AnyRecord]) -> None:
+        """Pair a batch of records (in file order) into the state."""
+        if not items:
+            return
+        opened, keep = self.opened, self.keep
+        pop = opened.pop
+        sinks, parents = self._sinks, self.parents
+        spans_append = self.spans.append
+        last_closed = self.last_closed
+        if self.first_ts is None:
+            self.first_ts = items[0].ts
+        # The hot loop: locals only, a span closing with status ok inline, everything else in methods.
+        for rec in items:
+            cls = type(rec)
+            if cls is SpanEnd:
+                started = pop(rec.span_id, None)
+                dur = rec.dur_ms
+                if started is None or dur is None or rec.status not in _PLAIN_END:
+                    self.last_closed = last_closed
+                    self._end_rare(rec, started)  # type: ignore[arg-type]
+                    last_closed = self.last_closed
+                    continue
+                name = rec.name
+                sink = sinks.get(name) or self._sink(name)
+                sstep = started.step
+                sink[0](NO_STEP if sstep is None else sstep)
+                sink[1](dur)
+                sink[2](rec.ts)
+                if name != STEP:
+                    last_closed = name
+                if keep:
+                    attrs = started.attrs
+                    if rec.attrs:
+                        attrs = {**attrs, **rec.attrs} if attrs else rec.attrs
+                    spans_append(Span(name, rec.span_id, started.parent_span_id, started.trace_id, started.ts,
+                                      rec.ts, schema.STATUS_OK, started.tid, sstep, attrs, None, started))
+            elif cls is SpanStart:
+                name = rec.name
+                opened[rec.span_id] = rec  # type: ignore[assignment]
+                if name not in parents:
+                    parent = opened.get(rec.parent_span_id)
+                    parents[name] = parent.name if parent is not None else None
+                if name == STEP:
+                    last_closed = None
+            elif cls is Instant:
+                self._instant(rec)  # type: ignore[arg-type]
+            elif keep:
+                self.scalars.append(rec)  # type: ignore[arg-type]
+        self.last_closed = last_closed
+        self.records += len(items)
+        last = items[-1]
+        self.last_event = last.event
+        top = max(map(_ts, items))
+        if self.last_ts is None or top > self.last_ts:
+            self.last_ts = top
+        self._track_steps(items)
+
+    def _track_steps(self, items: list[AnyRecord]) -> None:
+        # The step context, taken from each batch's first and last records rather than per record.
+        if self.first_step is None:
+            self.first_step = next((r.step for r in items if r.step is not None), None)
+        for r in reversed(items):
+            if r.step is not None:
+                self.final_step = r.step
+                if r.relative_step is not None:
+                    self.relative_step = r.relative_step
+                break
+
+    def _sink(self, name: str) -> tuple[Callable[[Any], None], ...]:
+        series = self.phases.get(name)
+        if series is None:
+            series = self.phases[name] = PhaseSeries()
+        sink = self._sinks[name] = (series.steps.append, series.durs.append, series.ends.append)
+        return sink
+
+    def _end_rare(self, rec: SpanEnd, started: SpanStart | None) -> None:
+        """A span end that is not a plain ok: error, incomplete, or without its start or duration."""
+        name = rec.name
+        sid = rec.span_id or ""
+        step = started.step if started is not None else rec.step
+        status = rec.status or schema.STATUS_OK
+        if started is not None:
+            start_ts = started.ts
+        else:  # its start record rotated away: it began dur_ms before its end
+            start_ts = rec.ts - (rec.dur_ms or 0.0) / 1000.0
+        parent = started.parent_span_id if started is not None else rec.parent_span_id
+        tid = started.tid if started is not None else rec.tid
+        if self.keep:
+            attrs = started.attrs if started is not None else None
+            if rec.attrs:
+                attrs = {**attrs, **rec.attrs} if attrs else rec.attrs
+            trace_id = started.trace_id if started is not None else rec.trace_id
+            self.spans.append(Span(name, sid, parent, trace_id, start_ts, rec.ts, status, tid, step, attrs,
+                                   rec.error, started if started is not None else rec))
+        if status == schema.STATUS_INCOMPLETE:
+            self.incomplete.append(OpenSpan(name, sid, parent, step, start_ts, status, tid))
+            return
+        dur = rec.dur_ms if rec.dur_ms is not None else (rec.ts - start_ts) * 1000.0
+        self.parents.setdefault(name, None)
+        sink = self._sinks.get(name) or self._sink(name)
+        sink[0](NO_STEP if step is None else step)
+        sink[1](dur)
+        sink[2](rec.ts)
+        if status == schema.STATUS_ERROR:
+            err = rec.error or {}
+            self.errors.append(ErrorSpan(name, sid, parent, step, rec.ts, str(err.get("type", "error")),
+                                         str(err.get("message", ""))))
+        if name != STEP:
+            self.last_closed = name
+
+    def _instant(self, rec: Instant) -> None:
+        name = rec.name
+        if name == schema.INSTANT_PROCESS_END:
+            self.ended_cleanly = True
+        elif name == schema.INSTANT_HEARTBEAT:
+            self.last_heartbeat_ts = rec.ts
+        elif name == schema.INSTANT_STALL:
+            self.stalls[rec.span_id or ""] = rec
+        if self.keep:
+            self.instants.append(rec)
+
+    # -- reading the state ----------------------------------------------------------------------
+
+    @property
+    def unclosed(self) -> list[OpenSpan]:
+        """Spans running at the end (open) or ended by shutdown (incomplete), outermost first."""
+        out = self.incomplete + [
+            OpenSpan(r.name, r.span_id or "", r.parent_span_id, r.step, r.ts, STATUS_OPEN, r.tid)
+            for r in self.opened.values()
+        ]
+        out.sort(key=_start_ts)
+        return out
+
+    @property
+    def innermost(self) -> OpenSpan | None:
+        """The deepest span still running at the end, if any."""
+        unclosed = self.unclosed
+        return unclosed[-1] if unclosed else None
+
+    def last_phase(self) -> str | None:
+        """The innermost running phase, or the last phase that closed when only ``step`` is open."""
+        inner = self.innermost
+        if inner is None:
+            return None
+        return self.last_closed if inner.name == STEP and self.last_closed else inner.name
+
+    def finish(self) -> None:
+        """After the last batch (``keep=True``): open spans join ``spans``, all in start order."""
+        if self.keep:
+            for r in self.opened.values():
+                self.spans.append(Span(r.name, r.span_id or "", r.parent_span_id, r.trace_id, r.ts, None,
+                                       STATUS_OPEN, r.tid, r.step, r.attrs, None, r))
+            self.spans.sort(key=_start_ts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attempts, the step window
+
+
+def assign_attempts(pfs: Iterable[ProcessFiles], heads: dict[ProcessFiles, Head | None] | None = None
+                    ) -> dict[ProcessFiles, int]:
+    """Map each process to its restart attempt.
+
+    The ``attempt`` field of a process's first readable records wins. When it is missing, or two
+    instances of the same (source, rank) claim the same attempt (restarts the launcher did not
+    number), instances are numbered by start time (the file name's stamp) instead.
+    """
+    heads = heads if heads is not None else {}
+    by_key: dict[tuple[str, int], list[tuple[int | None, ProcessFiles]]] = {}
+    for pf in pfs:
+        meta = heads[pf] if pf in heads else heads.setdefault(pf, head(pf))
+        by_key.setdefault((pf.source, pf.rank), []).append((meta.attempt if meta else None, pf))
+    out: dict[ProcessFiles, int] = {}
+    for items in by_key.values():
+        items.sort(key=lambda it: it[1].instance)
+        claimed = [a for a, _ in items]
+        if None in claimed or len(set(claimed)) != len(claimed):
+            out.update({pf: i for i, (_, pf) in enumerate(items)})
+        else:
+            out.update({pf: a for a, pf in items})  # type: ignore[misc]
+    return out
+
+
+def keep_steps(state: ProcessState, lo: int, hi: int) -> None:
+    """Keep (``keep=True`` state) the spans, instants and scalars of steps ``lo..hi`` (inclusive), and
+    those without a step that overlap the in-range ones in time (an enclosing epoch span, say)."""
+
+    def in_range(step: int | None) -> bool:
+        return step is not None and lo <= step <= hi
+
+    times = [s.start_ts for s in state.spans if in_range(s.step)]
+    times += [s.end_ts for s in state.spans if in_range(s.step) and s.end_ts is not None]
+    times += [r.ts for r in (*state.instants, *state.scalars) if in_range(r.step)]
+    if not times:
+        state.spans, state.instants, state.scalars = [], [], []
+        return
+    t0, t1 = min(times), max(times)
+    last = state.last_ts or t1
+
+    def keep_span(s: Span) -> bool:
+        if s.step is not None:
+            return in_range(s.step)
+        end = s.end_ts if s.end_ts is not None else last
+        return s.start_ts <= t1 and end >= t0
+
+    def keep_record(r: Instant | Scalar) -> bool:
+        return in_range(r.step) if r.step is not None else t0 <= r.ts <= t1
+
+    state.spans = [s for s in state.spans if keep_span(s)]
+    state.instants = [r for r in state.instants if keep_record(r)]
+    state.scalars = [r for r in state.scalars if keep_record(r)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs
+
+
+def read_process(pf: ProcessFiles, attempt: int, reader: Reader, *, keep: bool = False,
+                 steps: tuple[int, int] | None = None, meta: Head | None = None) -> ProcessState:
+    """Every record of one process's files fed into a new state (finished; step window applied)."""
+    state = ProcessState.of(pf, attempt, keep=keep, meta=meta)
+    before = reader.malformed_lines
+    with _cycles_unchecked():
+        for batch in reader.batches(pf):
+            state.feed(batch)
+    state.malformed = reader.malformed_lines - before
+    state.finish()
+    if steps is not None and keep:
+        keep_steps(state, *steps)
+    return state
+
+
+@contextmanager
+def _cycles_unchecked() -> Iterator[None]:
+    # Reading a process makes a dict or two per record, none in a reference cycle; with keep=True
+    # they all live on, and the cycle collector's passes over them cost a third of the read.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def process_order(path: str | Path, ranks: set[int] | None = None, warn: Warn = warn_to_stderr
+                  ) -> list[tuple[ProcessFiles, int, Head | None]]:
+    """The run's processes (of ``ranks``, when given) with attempt and head, sorted by rank, attempt, source.
+
+    Raises TraceReadError when ``path`` holds no trace files.
+    """
+    pfs = [pf for pf in find_process_files(path, warn) if ranks is None or pf.rank in ranks]
+    heads: dict[ProcessFiles, Head | None] = {}
+    attempts = assign_attempts(pfs, heads)
+    pfs.sort(key=lambda pf: (pf.rank, attempts[pf], pf.source))
+    return [(pf, attempts[pf], heads[pf]) for pf in pfs]
+
+
+def iter_processes(
+    path: str | Path,
+    reader: Reader,
+    *,
+    ranks: set[int] | None = None,
+    steps: tuple[int, int] | None = None,
+) -> Iterator[ProcessState]:
+    """Each process's full state (``keep=True``: spans, instants, scalars), one in memory at a time,
+    sorted by rank then attempt; processes without a valid record are left out."""
+    for pf, attempt, meta in process_order(path, ranks, reader.bad.warn):
+        state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
+        if state.records:
+            yield state
+
+
+@dataclass(slots=True)
+class Run:
+    """The processes of a run (``keep=False`` states), sorted by (rank, attempt, source)."""
+
+    processes: list[ProcessState]
+    malformed_lines: int = 0
+
+    def phase_order(self) -> list[str]:
+        """Phase names in training-step order: the standard phases first, then others as first seen."""
+        order = [STEP, *STEP_PHASES]
+        seen = set(order)
+        for d in self.processes:
+            for name in d.phases.keys() | {u.name for u in d.unclosed}:
+                if name not in seen:
+                    seen.add(name)
+                    order.append(name)
+        return order
+
+    def groups(self) -> list[list[ProcessState]]:
+        """Processes that ran together: one list per (source, attempt), ranks ascending."""
+        by_key: dict[tuple[str, int], list[ProcessState]] = {}
+        for d in self.processes:
+            by_key.setdefault((d.source, d.attempt), []).append(d)
+        return [sorted(by_key[k], key=lambda d: d.rank) for k in sorted(by_key)]
+
+
+def _read_task(args: tuple[ProcessFiles, int, Head | None]) -> tuple[ProcessState, list[str]]:
+    warnings: list[str] = []
+    state = read_process(args[0], args[1], Reader(warn=warnings.append), meta=args[2])
+    state._sinks = {}  # bound appenders: made again on demand, not worth pickling
+    return state, warnings
+
+
+def load_run(
+    path: str | Path,
+    *,
+    warn: Warn | None = None,
+    progress: Callable[[int], None] | None = None,
+    workers: int | None = None,
+) -> Run:
+    """Every process of the run at ``path`` as a compact state; raises TraceReadError without trace files.
+
+    ``warn`` gets one line per file with malformed lines (default: stderr); ``progress`` gets byte
+    counts as they are consumed. ``workers`` (default: CPU count) > 1 reads large runs in parallel.
+    """
+    reader = Reader(warn=warn, progress=progress)
+    tasks = process_order(path, warn=reader.bad.warn)
+    sizes = [pf.size for pf, _, _ in tasks]
+    workers = min(workers or os.cpu_count() or 1, len(tasks))
+    states: list[ProcessState] = []
+    if workers > 1 and sum(sizes) >= PARALLEL_MIN_BYTES:
+        with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
+            for size, (state, warnings) in zip(sizes, pool.map(_read_task, tasks)):
+                reader.absorb(state.malformed, warnings, size)
+                states.append(state)
+    else:
+        states = [read_process(pf, attempt, reader, meta=meta) for pf, attempt, meta in tasks]
+    states = [s for s in states if s.records]
+    states.sort(key=lambda s: (s.rank, s.attempt, s.source))
+    return Run(states, reader.malformed_lines)
+
+
+def pool_context() -> multiprocessing.context.BaseContext:
+    """The multiprocessing context for analysis pools."""
+    # fork is cheapest, but forking a process that runs other threads can deadlock them.
+    if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("forkserver" if os.name == "posix" else "spawn")
