@@ -31,7 +31,7 @@ chromium:
 
 # Arize Phoenix (a real OTLP backend) lives in its own venv: it is large.
 phoenix:
-	@bash scripts/phoenix-venv.sh || echo "warning: could not install Phoenix; its tests will skip"
+	@bash .ci/phoenix-venv.sh || echo "warning: could not install Phoenix; its tests will skip"
 
 demo: install
 	rm -rf $(DEMO)
