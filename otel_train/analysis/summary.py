@@ -21,15 +21,16 @@ def summarize_run(run: Run) -> dict[str, Any]:
     """The ``summarize --json`` object (docs/cli.md): processes, unclosed, phases, findings, malformed_lines."""
     order = run.phase_order()
     return {
-        "processes": [_process_row(d) for d in run.processes],
-        "unclosed": [row for d in run.processes for row in _unclosed_rows(d)],
+        "processes": [process_row(d) for d in run.processes],
+        "unclosed": [row for d in run.processes for row in unclosed_rows(d)],
         "phases": _phase_rows(run, order),
         "findings": findings(run),
         "malformed_lines": run.malformed_lines,
     }
 
 
-def _process_row(d: ProcessState) -> dict[str, Any]:
+def process_row(d: ProcessState) -> dict[str, Any]:
+    """One ``processes`` row of the summary."""
     return {
         "rank": d.rank,
         "attempt": d.attempt,
@@ -47,7 +48,8 @@ def _process_row(d: ProcessState) -> dict[str, Any]:
     }
 
 
-def _unclosed_rows(d: ProcessState) -> list[dict[str, Any]]:
+def unclosed_rows(d: ProcessState) -> list[dict[str, Any]]:
+    """The ``unclosed`` rows of one process."""
     last_phase = d.last_phase()
     return [
         {
