@@ -386,6 +386,39 @@ def head(pf: ProcessFiles) -> Head | None:
     return Head(**found) if found else None
 
 
+def read_tail(pf: ProcessFiles, nbytes: int, bad: BadLines) -> tuple[list[AnyRecord], bool]:
+    """The records in the last ``nbytes`` of a process's files, and whether that is all of them.
+
+    Older segments are read only as far as the newer ones fall short of ``nbytes``. The first line of
+    the window is dropped unless it starts a file (it is most likely cut); bad lines go to ``bad``.
+    """
+    pieces: list[tuple[Path, int, bytes]] = []
+    left = nbytes
+    for path in reversed(pf.paths):
+        if left <= 0:
+            break
+        try:
+            with open_regular(path) as f:
+                size = os.fstat(f.fileno()).st_size
+                start = max(0, size - left)
+                f.seek(start)
+                data = f.read(size - start)
+        except OSError as exc:
+            bad.warn(f"warning: {path}: cannot read ({exc.strerror or exc}); skipped")
+            continue
+        left -= len(data)
+        pieces.append((path, start, data))
+    pieces.reverse()
+    whole = left > 0
+    records: list[AnyRecord] = []
+    for i, (path, start, data) in enumerate(pieces):
+        if i == 0 and start > 0:
+            cut = data.find(b"\n") + 1
+            start, data = start + cut, data[cut:]
+        records.extend(decode_chunk(data, path, lambda p=path, o=start: line_number(p, o), bad))
+    return records, whole
+
+
 def _chunks(path: Path, warn: Warn) -> Iterator[tuple[int, bytes | memoryview]]:
     """``(byte offset, buffer)`` pieces of a file, each ending at a line break (but the torn tail).
 

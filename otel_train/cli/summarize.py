@@ -1,4 +1,4 @@
-"""``otel-train summarize PATH [--json]``: where every rank stopped, phase timings, findings."""
+"""``otel-train summarize PATH [--json] [--fast]``: where every rank stopped, phase timings, findings."""
 
 from __future__ import annotations
 
@@ -10,19 +10,25 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from otel_train.analysis.fast import summarize_fast
 from otel_train.analysis.summary import summarize_run
 from otel_train.cli._app import app
-from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
+from otel_train.cli._common import cli_errors, fmt_ms, load, print_json, warn
 
 
 @app.command()
 def summarize(
     path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    fast: bool = typer.Option(
+        False, "--fast",
+        help="Read only each file's tail: where every rank stopped and the hang/crash/restart findings, "
+             "in time independent of the files' size; phases from digests (approximate) or none.",
+    ),
 ) -> None:
     """Which rank stopped where, per-phase timings, and findings (hang, crash, error, straggler, restart)."""
     with cli_errors():
-        summary = summarize_run(load(path))
+        summary = summarize_fast(path, warn=warn) if fast else summarize_run(load(path))
         if as_json:
             print_json(summary)
         else:
@@ -68,18 +74,26 @@ def _render(summary: dict[str, Any], out: Console) -> None:
             )
         out.print(unclosed)
 
-    phases = Table(title="Phases (ms)", title_justify="left")
+    if summary["phases"] is None:
+        out.print("Phases: not read (--fast reads only each file's tail; the run wrote no digests)")
+    else:
+        _render_phases(summary["phases"], out)
+    if summary["malformed_lines"]:
+        out.print(f"malformed lines skipped: {summary['malformed_lines']}")
+
+
+def _render_phases(rows: list[dict[str, Any]], out: Console) -> None:
+    approx = any(ph.get("approx") for ph in rows)
+    phases = Table(title="Phases (ms, approximate: from digests)" if approx else "Phases (ms)", title_justify="left")
     for col in ("phase", "count", "p50", "p95", "max", "slowest rank/att/step"):
         phases.add_column(col, justify="right" if col not in ("phase",) else "left")
-    for ph in summary["phases"]:
+    for ph in rows:
         s = ph["slowest"]
         phases.add_row(
             ph["name"], str(ph["count"]), fmt_ms(ph["p50_ms"]), fmt_ms(ph["p95_ms"]), fmt_ms(ph["max_ms"]),
             f"{s['rank']}/{s['attempt']}/{_s(s['step'])}",
         )
     out.print(phases)
-    if summary["malformed_lines"]:
-        out.print(f"malformed lines skipped: {summary['malformed_lines']}")
 
 
 def _s(value: object) -> str:
