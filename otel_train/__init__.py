@@ -2,7 +2,7 @@
 
 Which rank, at which step, in which phase: training phases become OTel spans written to a crash-safe
 JSONL file per rank (a record at span start and at span end) and, optionally, sent over OTLP.
-The public surface is fixed in CONTRACT.md; everything else is internal.
+The public surface is the one README.md and docs/ describe; everything else is internal.
 
 The public names are loaded on first use, so ``otel_train.analysis`` and the CLI do not pay for
 importing the tracing runtime and the OTel SDK.

@@ -6,14 +6,12 @@ lazily when a module or optimizer (which can only exist once torch is imported) 
 
 from __future__ import annotations
 
-import logging
 import sys
 import threading
 from collections.abc import Mapping
 from typing import Any, Callable
 
-import otel_train as ot
-from otel_train import phases
+from otel_train import _report, api, phases
 
 # A bounded walk: a pathological batch (a list of 100k tensors) must not cost more than a few µs.
 _MAX_VISITED = 64
@@ -74,25 +72,47 @@ def log_batch_stats(batch: Any) -> None:
     """Record ``batch_stats(batch)`` as scalars (nothing for a batch without tensor-likes)."""
     stats = batch_stats(batch)
     if stats:
-        ot.log_trace_scalar(stats)
+        api.log_trace_scalar(stats)
+
+
+class HeldSpan:
+    """A span opened now and ended later, outside a ``with`` block (by hooks, callbacks, iterators).
+
+    It must be ended on the thread (and in the context) that opened it, like any ``with`` block.
+    """
+
+    __slots__ = ("_span",)
+
+    def __init__(self, name: str, attrs: Mapping[str, Any] | None = None) -> None:
+        self._span = api.log_trace_span(name, **attrs) if attrs else api.log_trace_span(name)
+        self._span.__enter__()
+
+    @classmethod
+    def step(cls, step: int, *, epoch: int | None = None, iteration: int | None = None) -> HeldSpan:
+        """``ot.training_step(...)``, held open: sets the step and opens its ``step`` span."""
+        api.set_step(step, epoch=epoch, iteration=iteration)
+        return cls(phases.STEP)
+
+    def end(self, exc: BaseException | None = None) -> None:
+        """End the span; with ``exc`` it ends as error with that exception (which is not raised)."""
+        if exc is None:
+            self._span.__exit__(None, None, None)
+        else:
+            self._span.__exit__(type(exc), exc, exc.__traceback__)
 
 
 class FirstFailureGuard:
-    """Runs an integration's tracing calls: tracing must never break training, so the first failure
-    is logged once (with what may now be missing) and later ones pass quietly."""
+    """Runs an integration's tracing calls: tracing must never break training, so a failure is
+    reported once per integration and exception type (``otel_train._report``) and counted."""
 
-    def __init__(self, logger: logging.Logger) -> None:
-        self._logger = logger
-        self.failed = False
+    def __init__(self, integration: str) -> None:
+        self._where = f"otel_train.{integration} tracing (spans may be missing)"
 
     def __call__(self, fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001
-            if not self.failed:
-                self.failed = True
-                self._logger.warning("%s: tracing error ignored (%s: %s); spans may be missing",
-                                     self._logger.name, type(exc).__name__, exc)
+            _report.report_exception(self._where, exc)
 
 
 def is_compiling() -> bool:
@@ -106,7 +126,7 @@ class _SpanStack(threading.local):
     exited on the thread they were entered on)."""
 
     def __init__(self) -> None:
-        self.open: list[Any] = []
+        self.open: list[HeldSpan] = []
 
 
 class _HookSpans:
@@ -126,16 +146,13 @@ class _HookSpans:
         self._handles: list[Any] = []
 
     def _open(self) -> None:
-        span = ot.log_trace_span(self._name)
-        span.__enter__()
-        self._stack.open.append(span)
+        self._stack.open.append(HeldSpan(self._name))
 
     def _close(self, maybe_failed: bool = False) -> None:
         if self._stack.open:
             # An always_call forward hook runs with no output inside torch's ``except`` block while
             # the forward's exception propagates: end the span as error with that exception.
-            exc_info = sys.exc_info() if maybe_failed else (None, None, None)
-            self._stack.open.pop().__exit__(*exc_info)
+            self._stack.open.pop().end(sys.exc_info()[1] if maybe_failed else None)
 
     def remove(self) -> None:
         """Unregister the hooks (spans already open are left to their post-hook or to shutdown)."""

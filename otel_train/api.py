@@ -16,8 +16,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from otel_train import _report
 from otel_train import context as step_context
-from otel_train import schema as S
 from otel_train.phases import STEP
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -26,18 +26,21 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Tracing:
     """What the hot path needs from an initialised runtime (built by ``otel_train.runtime``)."""
 
-    __slots__ = ("tracer", "start_step_span", "point", "add_event")
+    __slots__ = ("tracer", "start_step_span", "instant", "scalar", "add_event")
 
     def __init__(
         self,
+        *,
         tracer: trace.Tracer,
         start_step_span: Callable[[Mapping[str, Any] | None], trace.Span] | None,
-        point: Callable[[str, str, str, Mapping[str, Any] | None], None],
+        instant: Callable[[str, Mapping[str, Any] | None], None],
+        scalar: Callable[[Mapping[str, Any]], None],
         add_event: bool,
     ) -> None:
         self.tracer = tracer
         self.start_step_span = start_step_span  # None unless one trace per step is on
-        self.point = point
+        self.instant = instant  # writes an instant record: (name, attrs)
+        self.scalar = scalar  # writes a scalar record: (values)
         self.add_event = add_event  # copy instants onto the current span (for OTLP and other processors)
 
 
@@ -147,7 +150,7 @@ def log_trace_instant(name: str, /, **attributes: Any) -> None:
     tracing = _tracing
     if tracing is None:
         return
-    tracing.point(S.INSTANT, name, S.ATTRS, attributes)
+    tracing.instant(name, attributes)
     if tracing.add_event:
         span = trace.get_current_span()
         if span.is_recording():
@@ -173,7 +176,7 @@ def log_trace_scalar(values: Mapping[str, int | float | bool]) -> None:
     tracing = _tracing
     if tracing is None:
         return
-    tracing.point(S.SCALAR, S.SCALAR, S.VALUES, {k: _json_number(v) for k, v in values.items()})
+    tracing.scalar({k: _json_number(v) for k, v in values.items()})
 
 
 def _is_plain_number(value: object) -> bool:
@@ -195,16 +198,6 @@ def _json_number(value: Any) -> int | float | bool | str:
     return "nan" if math.isnan(number) else ("inf" if number > 0 else "-inf")
 
 
-_reported: set[str] = set()
-
-
-def _report_once(where: str, exc: BaseException) -> None:
-    if where not in _reported:
-        _reported.add(where)
-        print(f"otel-train: {where} failed: {type(exc).__name__}: {exc}; tracing continues (reported once)",
-              file=sys.stderr)
-
-
 def add_step_tag(tag: str) -> None:
     """Tag the current step (e.g. ``"checkpoint"``, ``"nan_skip"``); tags clear when the step changes."""
     step_context.add_tag(tag)
@@ -217,7 +210,7 @@ def set_step(step: int, *, epoch: int | None = None, iteration: int | None = Non
             try:
                 listener(step)
             except Exception as exc:  # a telemetry source failing must not stop training
-                _report_once(f"step listener {getattr(listener, '__qualname__', listener)!r}", exc)
+                _report.report_exception(f"step listener {getattr(listener, '__qualname__', listener)!r}", exc)
 
 
 def training_step(step: int, *, epoch: int | None = None, iteration: int | None = None) -> _Span:

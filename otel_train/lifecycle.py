@@ -19,7 +19,7 @@ import traceback
 from types import TracebackType
 from typing import Any, Callable
 
-import otel_train as ot
+from otel_train import _report, api
 from otel_train.config import Settings, settings_summary
 from otel_train.resource import RunContext
 
@@ -131,7 +131,7 @@ def record_exception(
     """Write an ``exception`` instant for an uncaught exception; never raises."""
     try:
         message = str(exc) if exc is not None else ""
-        ot.log_trace_instant(
+        api.log_trace_instant(
             EXCEPTION_INSTANT,
             type=f"{exc_type.__module__}.{exc_type.__qualname__}"
             if exc_type.__module__ != "builtins"
@@ -140,8 +140,8 @@ def record_exception(
             traceback=traceback_summary(tb),
             thread=thread,
         )
-    except Exception:  # noqa: BLE001 - an excepthook must never fail in its turn
-        pass
+    except Exception as exc:  # noqa: BLE001 - an excepthook must never fail in its turn
+        _report.report_exception("recording an uncaught exception", exc)
 
 
 def install_exception_hooks() -> Callable[[], None]:

@@ -19,7 +19,6 @@ private Lightning function is patched. See docs/integrations-frameworks.md for t
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import sys
 from collections.abc import Iterator
@@ -27,14 +26,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-import otel_train as ot
 from otel_train import _phases, phases, runtime
+from otel_train._phases import HeldSpan
+from otel_train.phases import HOOK_SPAN
 
 __all__ = ["TraceCallback"]
 
-_log = logging.getLogger("otel_train.lightning")
-
-HOOK_SPAN = "hooks.callback"
 
 # Where each group phase starts; a group lasts until the next group starts or the step ends.
 _FETCH = "train_dataloader_next"
@@ -80,13 +77,13 @@ class _Tracer:
         self._callbacks = {cb.state_key: cb for cb in trainer.callbacks if cb is not own}
         self._own_key = own.state_key
         self._actions: dict[str, _Action] = {}
-        self._step: Any = None
-        self._group: Any = None
+        self._step: HeldSpan | None = None
+        self._group: HeldSpan | None = None
         self._group_name: str | None = None
-        self._eval: Any = None
+        self._eval: HeldSpan | None = None
         # (action, span, the exception being handled when it started: not this action's failure)
-        self._action_spans: list[tuple[str, Any, BaseException | None]] = []
-        self.guarded = _phases.FirstFailureGuard(_log)
+        self._action_spans: list[tuple[str, HeldSpan, BaseException | None]] = []
+        self.guarded = _phases.FirstFailureGuard("lightning")
 
     # -- classification -------------------------------------------------------------------------
 
@@ -129,15 +126,14 @@ class _Tracer:
             meaning = self._actions[action] = self._classify(action)
         if meaning.opens_eval and self._eval is None:
             self.close_all(None)
-            self._eval = _enter(phases.EVAL, stage=_stage(self._trainer))
+            self._eval = HeldSpan(phases.EVAL, {"stage": _stage(self._trainer)})
         if self._eval is None and self._trainer.training:
             if meaning.opens_step and self._step is None:
                 self._open_step(fetching=meaning.group == phases.DATA_FETCH)
             if meaning.group is not None and self._step is not None and not self._action_spans:
                 self._switch_group(meaning.group)
         if meaning.span_name is not None:
-            attrs = meaning.span_attrs or {}
-            self._action_spans.append((action, _enter(meaning.span_name, **attrs), sys.exc_info()[1]))
+            self._action_spans.append((action, HeldSpan(meaning.span_name, meaning.span_attrs), sys.exc_info()[1]))
 
     def stop(self, action: str) -> None:
         meaning = self._actions.get(action)
@@ -147,11 +143,11 @@ class _Tracer:
             # Lightning stops actions in ``finally`` blocks: a propagating exception is visible here.
             _, span, handled = self._action_spans.pop()
             exc = sys.exc_info()[1]
-            _exit(span, None if exc is handled else exc)
+            span.end(None if exc is handled else exc)
         if meaning.closes_step and self._step is not None:
             self.close_step(None)
         if meaning.closes_eval and self._eval is not None and not self._action_spans:
-            _exit(self._eval, None)
+            self._eval.end()
             self._eval = None
 
     # -- span bookkeeping ---------------------------------------------------------------------
@@ -161,32 +157,31 @@ class _Tracer:
         loop = trainer.fit_loop.epoch_loop
         # At the fetch the batch is not counted yet; at on_train_batch_start it is.
         iteration = loop.batch_progress.current.ready - (0 if fetching else 1)
-        self._step = ot.training_step(trainer.global_step, epoch=trainer.current_epoch, iteration=iteration)
-        self._step.__enter__()
+        self._step = HeldSpan.step(trainer.global_step, epoch=trainer.current_epoch, iteration=iteration)
 
     def _switch_group(self, name: str) -> None:
         if name == self._group_name:
             return
         if self._group is not None:
-            _exit(self._group, None)
-        self._group, self._group_name = _enter(name), name
+            self._group.end()
+        self._group, self._group_name = HeldSpan(name), name
 
     def close_step(self, exc: BaseException | None) -> None:
         """End the open group phase and step span (with ``exc`` as their error, if any)."""
         while self._action_spans:  # normally already ended by their own stop()
-            _exit(self._action_spans.pop()[1], exc)
+            self._action_spans.pop()[1].end(exc)
         if self._group is not None:
-            _exit(self._group, exc)
+            self._group.end(exc)
             self._group, self._group_name = None, None
         if self._step is not None:
-            _exit(self._step, exc)
+            self._step.end(exc)
             self._step = None
 
     def close_all(self, exc: BaseException | None) -> None:
         """End every span this tracer holds open, innermost first."""
         self.close_step(exc)
         if self._eval is not None:
-            _exit(self._eval, exc)
+            self._eval.end(exc)
             self._eval = None
 
 
@@ -278,12 +273,3 @@ def _stage(trainer: pl.Trainer) -> str:
         return "sanity_check"
     return "test" if trainer.testing else "validate"
 
-
-def _enter(name: str, **attrs: Any) -> Any:
-    span = ot.log_trace_span(name, **attrs)
-    span.__enter__()
-    return span
-
-
-def _exit(span: Any, exc: BaseException | None) -> None:
-    span.__exit__(type(exc) if exc is not None else None, exc, exc.__traceback__ if exc is not None else None)

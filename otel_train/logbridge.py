@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Callable
 
-import otel_train as ot
+from otel_train import _report, api
 from otel_train.errors import ConfigError
 
 LOG_INSTANT = "log"
@@ -35,7 +35,7 @@ class TraceLogHandler(logging.Handler):
             ):
                 self._busy.on = True
                 try:
-                    ot.log_trace_instant(
+                    api.log_trace_instant(
                         LOG_INSTANT,
                         level=record.levelname,
                         logger=record.name,
@@ -45,8 +45,8 @@ class TraceLogHandler(logging.Handler):
                 finally:
                     self._busy.on = False
             self._keep_last_resort(record)
-        except Exception:  # noqa: BLE001 - logging must never break the caller
-            pass
+        except Exception as exc:  # noqa: BLE001 - logging must never break the caller
+            _report.report_exception("bridging a log record", exc)
 
     def _keep_last_resort(self, record: logging.LogRecord) -> None:
         # Without any other handler Python prints WARNING+ to stderr (logging.lastResort); a handler on

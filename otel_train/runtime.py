@@ -31,7 +31,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link
 
-from otel_train import api
+from otel_train import _report, api
 from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train._version import __version__
@@ -144,7 +144,7 @@ def trace_file() -> str | None:
 
 def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, Any] | None = None,
          **overrides: Any) -> None:
-    """Start tracing for this process (see CONTRACT.md). Raises ConfigError before training starts."""
+    """Start tracing for this process (see docs/settings.md). Raises ConfigError before training starts."""
     global _active
     with _lock:
         if _active is not None:
@@ -155,6 +155,7 @@ def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, A
         if not settings.enabled:
             return
         ctx = detect_run_context(settings)
+        _report.reset()  # a new session reports (and counts, for its process_end) afresh
         rt = _Runtime(settings, ctx)
         try:
             _build(rt)
@@ -224,11 +225,21 @@ def _build(rt: _Runtime) -> None:
     start_step = None
     if settings.trace_per_step and ctx.run_id_known:
         start_step = _step_span_starter(tracer, id_generator, ctx.run_id)
-    point = rt.jsonl.point if rt.jsonl is not None else _no_point
-    api._tracing = api.Tracing(tracer, start_step, point, add_event=has_others)
+    jsonl = rt.jsonl
+    api._tracing = api.Tracing(
+        tracer=tracer,
+        start_step_span=start_step,
+        instant=jsonl.instant if jsonl is not None else _no_instant,
+        scalar=jsonl.scalar if jsonl is not None else _no_scalar,
+        add_event=has_others,
+    )
 
 
-def _no_point(kind: str, name: str, payload_key: str, payload: Mapping[str, Any] | None) -> None:
+def _no_instant(name: str, attrs: Mapping[str, Any] | None = None) -> None:
+    return None
+
+
+def _no_scalar(values: Mapping[str, Any]) -> None:
     return None
 
 
@@ -296,7 +307,7 @@ def _start_lifecycle(rt: _Runtime) -> None:
 
     settings = rt.settings
     if rt.jsonl is not None:
-        rt.jsonl.point(S.INSTANT, S.INSTANT_PROCESS_START, S.ATTRS, lifecycle.process_start_attrs(settings, rt.ctx))
+        rt.jsonl.instant(S.INSTANT_PROCESS_START, lifecycle.process_start_attrs(settings, rt.ctx))
     rt.undo.append(lifecycle.install_exception_hooks())
     if settings.log_bridge:
         rt.undo.append(logbridge.install(settings.log_level))
@@ -337,16 +348,15 @@ def shutdown(timeout_s: float = 5.0) -> None:
         for processor in rt.other_processors:
             _quietly(processor.shutdown)
         if dropped:
-            print(f"otel-train: {dropped} span(s) could not be exported (collector unreachable or queue full); "
-                  "the JSONL file has them all", file=sys.stderr)
+            _report.report("spans dropped", f"{dropped} span(s) could not be exported (collector unreachable or "
+                           "queue full); the JSONL file has them all", count=dropped)
         if jsonl is not None:
             if dropped:
-                jsonl.point(S.INSTANT, S.INSTANT_SPANS_DROPPED, S.ATTRS, {"count": dropped})
+                jsonl.instant(S.INSTANT_SPANS_DROPPED, {"count": dropped})
             writer = rt.writer
             if writer is not None and writer.errors:
-                jsonl.point(S.INSTANT, S.INSTANT_WRITE_ERRORS, S.ATTRS,
-                            {"count": writer.errors, "dropped_bytes": writer.dropped_bytes})
-            jsonl.point(S.INSTANT, S.INSTANT_PROCESS_END, S.ATTRS, {
+                jsonl.instant(S.INSTANT_WRITE_ERRORS, {"count": writer.errors, "dropped_bytes": writer.dropped_bytes})
+            jsonl.instant(S.INSTANT_PROCESS_END, {
                 "records": jsonl.records_written + 1,
                 "incomplete_spans": incomplete,
                 "spans_dropped": dropped,
@@ -370,7 +380,7 @@ def _quietly(fn: Any, *args: Any) -> None:
     try:
         fn(*args)
     except Exception as exc:  # shutdown must finish whatever one part does
-        print(f"otel-train: during shutdown: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _report.report_exception(f"shutdown step {getattr(fn, '__qualname__', fn)!r}", exc)
 
 
 # Process lifecycle: exit, SIGTERM, fork.

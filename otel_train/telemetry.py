@@ -7,14 +7,11 @@ can't work here); once running, sampling never raises and never synchronizes a d
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any, Callable
 
-import otel_train as ot
+from otel_train import _report, api
 from otel_train.errors import ConfigError
-
-_log = logging.getLogger(__name__)
 
 Probe = Callable[[], dict[str, int | float]]
 
@@ -136,7 +133,6 @@ class TelemetrySampler:
         self.every = every
         self._nvml: _Nvml | None = None
         self._probes: list[Probe] = []
-        self._failed = False
         try:
             for source in sources:
                 if source == "process":
@@ -169,11 +165,10 @@ class TelemetrySampler:
         try:
             values = self.sample()
             if values:
-                ot.log_trace_scalar(values)
+                api.log_trace_scalar(values)
         except Exception as exc:  # noqa: BLE001 - telemetry must never break training
-            if not self._failed:
-                self._failed = True
-                _log.warning("otel-train telemetry sampling failed at step %s (reported once): %r", step, exc)
+            _report.report(f"telemetry sampling:{type(exc).__name__}",
+                           f"telemetry sampling failed at step {step}: {_report.describe(exc)}; training goes on")
 
     def close(self) -> None:
         """Release NVML; the sampler records nothing afterwards."""

@@ -47,18 +47,17 @@ class _TracedIterator:
         return self
 
     def __next__(self) -> Any:
-        span = ot.log_trace_span(phases.DATA_FETCH)
-        span.__enter__()
+        span = _phases.HeldSpan(phases.DATA_FETCH)
         try:
             batch = next(self._it)
         except StopIteration:
             # The end of an epoch is not an error: end the span normally, then stop.
-            span.__exit__(None, None, None)
+            span.end()
             raise
         except BaseException as exc:
-            span.__exit__(type(exc), exc, exc.__traceback__)
+            span.end(exc)
             raise
-        span.__exit__(None, None, None)
+        span.end()
         if self._every:
             step = context.current_step()
             index = self._fetches if step is None else step

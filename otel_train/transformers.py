@@ -22,7 +22,6 @@ hooks live from on_train_begin to on_train_end, and a direct ``evaluate()`` has 
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Callable
 
 import torch
@@ -30,12 +29,10 @@ import transformers
 
 import otel_train as ot
 from otel_train import _phases, phases, runtime
+from otel_train._phases import HeldSpan
+from otel_train.phases import HOOK_SPAN
 
-__all__ = ["HOOK_SPAN", "TraceCallback", "instrument"]
-
-_log = logging.getLogger("otel_train.transformers")
-
-HOOK_SPAN = "hooks.callback"
+__all__ = ["TraceCallback", "instrument"]
 _EVENTS = tuple(name for name in vars(transformers.TrainerCallback) if name.startswith("on_"))
 
 
@@ -52,13 +49,13 @@ class TraceCallback(transformers.TrainerCallback):
         self._stats_every = 0
         self._stats_step: int | None = None
         self._handles: list[Any] = []
-        self._forward: Any = None
-        self._step: Any = None
-        self._phase: Any = None  # the open backward or optimizer span
+        self._forward: _phases.ForwardSpans | None = None
+        self._step: HeldSpan | None = None
+        self._phase: HeldSpan | None = None  # the open backward or optimizer span
         self._phase_name: str | None = None
-        self._between: Any = None  # the open eval or checkpoint span
+        self._between: HeldSpan | None = None  # the open eval or checkpoint span
         self._between_name: str | None = None
-        self._guarded = _phases.FirstFailureGuard(_log)
+        self._guarded = _phases.FirstFailureGuard("transformers")
 
     # -- Trainer events -----------------------------------------------------------------------
 
@@ -144,24 +141,23 @@ class TraceCallback(transformers.TrainerCallback):
     def _open_step(self, state: Any) -> None:
         self._close_step()
         self._end_between(None)
-        self._step = ot.training_step(state.global_step, epoch=int(state.epoch or 0))
-        self._step.__enter__()
+        self._step = HeldSpan.step(state.global_step, epoch=int(state.epoch or 0))
         self._stats_step = state.global_step
 
     def _close_step(self) -> None:
         self._end_phase()
         if self._step is not None:
-            self._step.__exit__(None, None, None)
+            self._step.end()
             self._step = None
 
     def _start_phase(self, name: str) -> None:
         self._end_phase()
         if self._step is not None:
-            self._phase, self._phase_name = _enter(name, {}), name
+            self._phase, self._phase_name = HeldSpan(name), name
 
     def _end_phase(self) -> None:
         if self._phase is not None:
-            self._phase.__exit__(None, None, None)
+            self._phase.end()
             self._phase, self._phase_name = None, None
 
     def _after_step(self, control: Any) -> None:
@@ -175,11 +171,11 @@ class TraceCallback(transformers.TrainerCallback):
         if self._between_name == name:
             return
         self._end_between(None)
-        self._between, self._between_name = _enter(name, attrs), name
+        self._between, self._between_name = HeldSpan(name, attrs), name
 
     def _end_between(self, name: str | None) -> None:
         if self._between is not None and name in (None, self._between_name):
-            self._between.__exit__(None, None, None)
+            self._between.end()
             self._between, self._between_name = None, None
 
 
@@ -217,9 +213,3 @@ def _traced(method: Callable[..., Any], callback_name: str, event: str) -> Calla
 
     traced._otel_train_traced = True  # type: ignore[attr-defined]
     return traced
-
-
-def _enter(name: str, attrs: dict[str, Any]) -> Any:
-    span = ot.log_trace_span(name, **attrs)
-    span.__enter__()
-    return span

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import otel_train as ot  # noqa: E402
 from otel_train import phases  # noqa: E402
 from otel_train import schema as S  # noqa: E402
-from otel_train.lightning import HOOK_SPAN, TraceCallback  # noqa: E402
+from otel_train.lightning import TraceCallback  # noqa: E402
+from otel_train.phases import HOOK_SPAN  # noqa: E402
 
 STEP_ORDER = [phases.DATA_FETCH, phases.BATCH_TO_DEVICE, phases.HOOKS_BEFORE_STEP, phases.FORWARD,
               phases.BACKWARD, phases.OPTIMIZER, phases.HOOKS_AFTER_STEP]

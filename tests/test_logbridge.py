@@ -22,7 +22,7 @@ def instants(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
         seen.append({"name": name, **attrs})
         logging.getLogger("user.inside").error("logged while recording")  # must not recurse
 
-    monkeypatch.setattr(logbridge.ot, "log_trace_instant", record)
+    monkeypatch.setattr(logbridge.api, "log_trace_instant", record)
     uninstall = logbridge.install("WARNING")
     yield seen
     uninstall()

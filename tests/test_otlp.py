@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, TraceIdRatioBased
 from otlp_receivers import BlackHoleServer, GrpcOtlpReceiver, HttpOtlpReceiver, refused_endpoint
 
+from otel_train import _report
 from otel_train.errors import ConfigError
 from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors, shutdown_processors
 
@@ -144,7 +145,7 @@ def test_shutdown_processors_shares_one_budget():
     assert [(p.exported, p.dropped) for p in processors] == [(0, 3), (0, 3)]
 
 
-def test_export_failure_logged_once_and_headers_never_logged(caplog):
+def test_export_failure_logged_once_and_headers_never_logged(caplog, capsys):
     env = {
         "OTEL_EXPORTER_OTLP_ENDPOINT": refused_endpoint(),
         "OTEL_EXPORTER_OTLP_PROTOCOL": HTTP,
@@ -152,6 +153,7 @@ def test_export_failure_logged_once_and_headers_never_logged(caplog):
         "OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer {SECRET}",
     }
     caplog.set_level(logging.DEBUG)
+    _report.reset()
     processor = _only(build_span_processors(("otlp",), env=env))
     provider = _provider(processor)
     for step in range(3):
@@ -159,11 +161,12 @@ def test_export_failure_logged_once_and_headers_never_logged(caplog):
         processor.force_flush(5000)
     processor.shutdown(timeout_s=1.0)
 
-    ours = [r for r in caplog.records if r.name == "otel_train" and r.levelno >= logging.WARNING]
-    assert len(ours) == 1, [r.getMessage() for r in ours]
-    assert "could not export" in ours[0].getMessage()
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("otel-train:")]
+    assert len(ours) == 1, ours  # reported once (on the otel_train logger's stderr handler) ...
+    assert "could not export" in ours[0]
+    assert _report.counts()["otlp export:OTLPSpanExporter"] == 3  # ... and every failed batch counted
     assert processor.dropped == 9 and processor.exported == 0
-    assert SECRET not in caplog.text
+    assert SECRET not in caplog.text and SECRET not in ours[0]
 
 
 def test_config_error_does_not_leak_headers():

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from otel_train import telemetry
+from otel_train import _report, telemetry
 from otel_train.errors import ConfigError
 
 
@@ -25,7 +25,7 @@ def test_process_source_samples_rss_and_cpu() -> None:
 
 def test_on_step_records_every_n_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     logged: list[dict] = []
-    monkeypatch.setattr(telemetry.ot, "log_trace_scalar", logged.append)
+    monkeypatch.setattr(telemetry.api, "log_trace_scalar", logged.append)
     sampler = telemetry.TelemetrySampler(("process",), every=3)
     for step in range(7):
         sampler.on_step(step)
@@ -117,15 +117,15 @@ def test_nvml_uuid_and_power(monkeypatch: pytest.MonkeyPatch) -> None:
     assert sampler.sample()["nvml.power_w"] == pytest.approx(123.456)
 
 
-def test_on_step_never_raises_and_reports_once(monkeypatch: pytest.MonkeyPatch,
-                                              caplog: pytest.LogCaptureFixture) -> None:
+def test_on_step_never_raises_and_reports_once(capsys: pytest.CaptureFixture[str]) -> None:
     sampler = telemetry.TelemetrySampler(("process",), every=1)
 
     def broken() -> dict:
         raise OSError("/proc vanished")
 
     sampler._probes = [broken]
-    with caplog.at_level("WARNING", logger="otel_train.telemetry"):
-        for step in range(3):
-            sampler.on_step(step)
-    assert [r.getMessage().count("/proc vanished") for r in caplog.records] == [1]
+    _report.reset()
+    for step in range(3):
+        sampler.on_step(step)
+    assert capsys.readouterr().err.count("/proc vanished") == 1
+    assert _report.counts() == {"telemetry sampling:OSError": 3}

@@ -23,7 +23,8 @@ import torch  # noqa: E402
 import otel_train as ot  # noqa: E402
 from otel_train import phases  # noqa: E402
 from otel_train import schema as S  # noqa: E402
-from otel_train.transformers import HOOK_SPAN, TraceCallback, instrument  # noqa: E402
+from otel_train.phases import HOOK_SPAN  # noqa: E402
+from otel_train.transformers import TraceCallback, instrument  # noqa: E402
 
 
 class CountSteps(transformers.TrainerCallback):

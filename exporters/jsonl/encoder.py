@@ -13,7 +13,7 @@ from types import CodeType
 from typing import Any, Mapping
 
 import msgspec
-from opentelemetry.trace import StatusCode
+from opentelemetry.trace import SpanContext, StatusCode
 
 from otel_train import schema as S
 from otel_train.context import StepState, call_site
@@ -100,13 +100,14 @@ class RecordEncoder:
     (:meth:`span_body`) and shared by its start and end lines.
     """
 
-    __slots__ = ("_static", "_start_heads", "_end_heads", "_point_heads", "_hex", "_skip_attr_prefix")
+    __slots__ = ("_static", "_start_heads", "_end_heads", "_point_heads", "_scalar_head", "_hex", "_skip_attr_prefix")
 
     def __init__(self, static: Mapping[str, Any], *, skip_attr_prefix: str | None = None) -> None:
         self._static = "".join(_frag(k, v) for k, v in static.items())
         self._start_heads: dict[str, str] = {}
         self._end_heads: dict[str, str] = {}
-        self._point_heads: dict[tuple[str, str], str] = {}
+        self._point_heads: dict[str, str] = {}
+        self._scalar_head = _frag(S.KIND, S.SCALAR) + _frag(S.EVENT, S.SCALAR) + _frag(S.NAME, S.SCALAR)
         self._hex: tuple[int, str] = (0, "")
         self._skip_attr_prefix = skip_attr_prefix
 
@@ -167,21 +168,31 @@ class RecordEncoder:
             end // 1_000_000_000, end // 1000 % 1_000_000, head, body, seq, dur_us // 1000, dur_us % 1000,
             status, self._attrs(attributes) if attributes else "")).encode()
 
-    def point(self, kind: str, name: str, ts_ns: int, trace_id: int, span_id: int, state: StepState, tid: int,
-              seq: int, caller: str, payload_key: str, payload: Mapping[str, Any] | None) -> bytes:
-        """An ``instant`` or ``scalar`` line; ids are those of the enclosing span (0 when none)."""
-        key = (kind, name)
-        head = self._point_heads.get(key)
-        if head is None:
-            if len(self._point_heads) > 4096:
-                self._point_heads.clear()
-            event = S.SCALAR if kind == S.SCALAR else name
-            head = self._point_heads[key] = _frag(S.KIND, kind) + _frag(S.EVENT, event) + _frag(S.NAME, name)
-        ids = _POINT_IDS % (trace_id, span_id) if span_id else ""
-        body = _frag(payload_key, dict(payload)) if payload else ""
+    def instant(self, *, name: str, ts_ns: int, ids: SpanContext, state: StepState, tid: int, seq: int,
+                caller: str, attrs: Mapping[str, Any] | None) -> bytes:
+        """An ``instant`` line inside the span ``ids`` (an invalid context: none)."""
+        head = self._point_heads.get(name) or self._point_head(S.INSTANT, name, name)
+        return self._point(head, ts_ns, ids, state, tid, seq, caller, _frag(S.ATTRS, dict(attrs)) if attrs else "")
+
+    def scalar(self, *, ts_ns: int, ids: SpanContext, state: StepState, tid: int, seq: int, caller: str,
+               values: Mapping[str, Any]) -> bytes:
+        """A ``scalar`` line inside the span ``ids`` (an invalid context: none)."""
+        head = self._scalar_head
+        return self._point(head, ts_ns, ids, state, tid, seq, caller, _frag(S.VALUES, dict(values)) if values else "")
+
+    def _point_head(self, kind: str, event: str, name: str) -> str:
+        if len(self._point_heads) > 4096:  # names should be low-cardinality; don't grow without bound
+            self._point_heads.clear()
+        head = self._point_heads[name] = _frag(S.KIND, kind) + _frag(S.EVENT, event) + _frag(S.NAME, name)
+        return head
+
+    def _point(self, head: str, ts_ns: int, ids: SpanContext, state: StepState, tid: int, seq: int, caller: str,
+               payload: str) -> bytes:
+        span_id = ids.span_id
+        id_part = _POINT_IDS % (ids.trace_id, span_id) if span_id else ""
         return (_POINT_LINE % (
-            ts_ns // 1_000_000_000, ts_ns // 1000 % 1_000_000, head, ids, _step_fragment(state), self._static,
-            tid, seq, caller, body)).encode()
+            ts_ns // 1_000_000_000, ts_ns // 1000 % 1_000_000, head, id_part, _step_fragment(state), self._static,
+            tid, seq, caller, payload)).encode()
 
 
 # Line templates, spelled from the schema's field names once at import (%% survive as % fields).

@@ -6,16 +6,16 @@ point is that a hung or killed rank's open spans are already on disk.
 
 from __future__ import annotations
 
-import sys
 import threading
-import time
+from time import time_ns
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
-from opentelemetry import trace
+from opentelemetry.trace import get_current_span
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
+from otel_train import _report
 from otel_train import context as step_context
 from otel_train.exporters.jsonl.encoder import INCOMPLETE_ATTR, CallerFinder, RecordEncoder
 
@@ -31,7 +31,7 @@ class JsonlSpanProcessor(SpanProcessor):
 
     ``writer`` is anything with ``write(bytes) -> bool`` and ``close()`` (normally a RotatingFileWriter),
     or None when only record handlers want the records. Never raises into the caller: an internal fault
-    is reported once on stderr and counted in ``internal_errors``.
+    is reported through ``otel_train._report`` (once per kind, every occurrence counted).
     """
 
     def __init__(
@@ -51,9 +51,6 @@ class JsonlSpanProcessor(SpanProcessor):
         self._seq = 0
         self._open: dict[int, tuple[Span, str]] = {}
         self._closed = False
-        self.internal_errors = 0
-        self.handler_errors = 0
-        self._reported: set[str] = set()
 
     @property
     def records_written(self) -> int:
@@ -82,19 +79,26 @@ class JsonlSpanProcessor(SpanProcessor):
         except Exception as exc:
             self._fault("span end", exc)
 
-    def point(self, kind: str, name: str, payload_key: str, payload: Mapping[str, Any] | None) -> None:
-        """Write an instant or scalar record inside the caller's current span and step."""
+    def instant(self, name: str, attrs: Mapping[str, Any] | None = None) -> None:
+        """Write an ``instant`` record inside the caller's current span and step."""
+        self._point("instant", self._encoder.instant, name=name, attrs=attrs)
+
+    def scalar(self, values: Mapping[str, Any]) -> None:
+        """Write a ``scalar`` record inside the caller's current span and step."""
+        self._point("scalar", self._encoder.scalar, values=values)
+
+    def _point(self, what: str, encode: Callable[..., bytes], **payload: Any) -> None:
         try:
-            ctx = trace.get_current_span().get_span_context()
+            ids = get_current_span().get_span_context()
             caller = self._caller() if self._caller is not None else ""
-            state = step_context.current()
+            state = current_state()
             tid = get_native_id()
             with self._lock:
                 self._seq += 1
-                self._write(self._encoder.point(kind, name, time.time_ns(), ctx.trace_id, ctx.span_id, state, tid,
-                                                self._seq, caller, payload_key, payload))
+                self._write(encode(ts_ns=time_ns(), ids=ids, state=state, tid=tid, seq=self._seq, caller=caller,
+                                   **payload))
         except Exception as exc:
-            self._fault(kind, exc)
+            self._fault(what, exc)
 
     def _write(self, line: bytes) -> None:
         # Called with the lock held, so seq order is file order.
@@ -110,8 +114,7 @@ class JsonlSpanProcessor(SpanProcessor):
             try:
                 handler(record)
             except Exception as exc:
-                self.handler_errors += 1
-                self._fault(f"record handler {getattr(handler, '__qualname__', handler)!r}", exc, count=False)
+                _report.report_exception(f"record handler {getattr(handler, '__qualname__', handler)!r}", exc)
 
     def end_open_spans(self) -> int:
         """End every still-open span with status ``incomplete`` (innermost first); returns how many."""
@@ -137,11 +140,5 @@ class JsonlSpanProcessor(SpanProcessor):
         # Every record is written by the time _emit returns: nothing is ever held back.
         return True
 
-    def _fault(self, where: str, exc: BaseException, *, count: bool = True) -> None:
-        if count:
-            self.internal_errors += 1
-        key = f"{where}:{type(exc).__name__}"
-        if key not in self._reported:
-            self._reported.add(key)
-            print(f"otel-train: error writing a {where} record: {type(exc).__name__}: {exc}; "
-                  "tracing continues (reported once)", file=sys.stderr)
+    def _fault(self, what: str, exc: BaseException) -> None:
+        _report.report_exception(f"writing a {what} record", exc)

@@ -3,7 +3,7 @@
 Every record goes to the kernel in a single ``os.write`` and nothing is buffered in Python, so a
 process killed right after ``write`` returns has lost nothing. Write failures (full disk, I/O error,
 a descriptor closed underneath, a deleted directory) never reach the training code: they are
-counted, reported once per errno on stderr, and the writer keeps trying on later records.
+counted, reported once per errno (``otel_train._report``), and the writer keeps trying on later records.
 
 Not thread-safe by design: the JSONL span processor serializes calls under its own lock.
 """
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import errno
 import os
-import sys
+
+from otel_train import _report
 
 __all__ = ["RotatingFileWriter"]
 
@@ -40,9 +41,6 @@ class RotatingFileWriter:
         "_closed",
         "_errors",
         "_dropped_bytes",
-        "_bytes_written",
-        "_rotations",
-        "_reported",
     )
 
     def __init__(
@@ -72,9 +70,6 @@ class RotatingFileWriter:
         self._closed = False
         self._errors = 0
         self._dropped_bytes = 0
-        self._bytes_written = 0
-        self._rotations = 0
-        self._reported: set[int | None] = set()
         self._open()  # OSError here is the caller's to turn into a configuration error
 
     @property
@@ -91,16 +86,6 @@ class RotatingFileWriter:
     def dropped_bytes(self) -> int:
         """Bytes of records that did not reach the file whole."""
         return self._dropped_bytes
-
-    @property
-    def bytes_written(self) -> int:
-        """Bytes handed to the kernel, torn fragments and separators included."""
-        return self._bytes_written
-
-    @property
-    def rotations(self) -> int:
-        """Completed rotations (or truncations when ``backup_count == 0``)."""
-        return self._rotations
 
     def write(self, line: bytes) -> bool:
         """Append one ``\\n``-terminated record; True when it reached the kernel whole. Never raises."""
@@ -120,7 +105,6 @@ class RotatingFileWriter:
             if written != len(data):
                 written = self._finish_short_write(data, written)
             self._size += written
-            self._bytes_written += written
             self._torn = False
         except OSError as exc:
             self._fail(exc, n)
@@ -177,7 +161,6 @@ class RotatingFileWriter:
                 except FileNotFoundError:
                     pass  # a segment not written yet, or the active file removed underneath
             self._open()
-        self._rotations += 1
 
     def _finish_short_write(self, data: bytes, written: int) -> int:
         # Retrying either completes the line (the short write was transient) or raises the real
@@ -192,7 +175,6 @@ class RotatingFileWriter:
         except OSError:
             if written:
                 self._size += written
-                self._bytes_written += written
                 self._torn = True
             raise
         return written
@@ -221,19 +203,7 @@ class RotatingFileWriter:
             self._fd = -1
         elif exc.errno == errno.ESTALE:
             self._discard_fd()
-        if exc.errno not in self._reported:
-            self._reported.add(exc.errno)
-            self._report(exc)
-
-    def _report(self, exc: OSError) -> None:
         name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "unknown"
-        reason = exc.strerror or str(exc)
-        try:
-            print(
-                f"otel-train: cannot write {self._path}: {reason} (errno {name}); "
-                "tracing continues, records are being dropped",
-                file=sys.stderr,
-                flush=True,
-            )
-        except (OSError, ValueError):
-            pass  # stderr closed or broken: the counters still tell
+        _report.report(f"write {self._path}:{name}",
+                       f"cannot write {self._path}: {exc.strerror or exc} (errno {name}); "
+                       "tracing continues, records are being dropped")

@@ -8,7 +8,6 @@ deadline (a daemon thread cannot keep the interpreter alive), counting what it c
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -27,9 +26,8 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import Sampler
 
+from otel_train import _report
 from otel_train.errors import ConfigError
-
-_logger = logging.getLogger("otel_train")
 
 # The SDK's BatchSpanProcessor defaults, so OTEL_BSP_* means the same thing here.
 _DEFAULT_MAX_QUEUE_SIZE = 2048
@@ -70,7 +68,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     ``dropped`` counts spans lost to a full queue, a failed export, or abandonment at shutdown;
     ``exported`` counts spans the exporter acknowledged. Spans a ``sampler`` rejects are neither.
-    The first export failure is logged once (logger ``otel_train``); later ones are only counted.
+    Export failures are reported once per exporter (``otel_train._report``); later ones are only counted.
     """
 
     def __init__(
@@ -106,7 +104,6 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self.sampler = sampler
         self.dropped = 0
         self.exported = 0
-        self._failure_logged = False
         self._is_shutdown = False
         self._start_worker()
         if hasattr(os, "register_at_fork"):
@@ -203,8 +200,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
     def _call_exporter_shutdown(self) -> None:
         try:
             self.exporter.shutdown()
-        except Exception:  # noqa: BLE001 - shutdown must never raise into user code
-            _logger.debug("otel-train: exporter shutdown failed", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - shutdown must never raise into user code
+            _report.report_exception(f"shutting down {type(self.exporter).__name__}", exc)
 
     # -- worker side -----------------------------------------------------------------------------
 
@@ -240,7 +237,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 else:
                     self.dropped += count
             if not ok:
-                self._log_failure_once(count)
+                self._report_failure(count)
 
     def _export(self, batch: list[ReadableSpan]) -> bool:
         try:
@@ -248,16 +245,12 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         except Exception:  # noqa: BLE001 - an exporter bug must not kill the worker
             return False
 
-    def _log_failure_once(self, count: int) -> None:
-        if self._failure_logged:
-            return
-        self._failure_logged = True
-        _logger.warning(
-            "otel-train: %s could not export %d spans; they are dropped, and later failures are only "
-            "counted (see the processor's `dropped`). Check OTEL_EXPORTER_OTLP_ENDPOINT and that the "
-            "collector is reachable.",
-            type(self.exporter).__name__,
-            count,
+    def _report_failure(self, count: int) -> None:
+        _report.report(
+            f"otlp export:{type(self.exporter).__name__}",
+            f"{type(self.exporter).__name__} could not export {count} spans; they are dropped and counted "
+            "(otel_train.spans_dropped at shutdown). Check OTEL_EXPORTER_OTLP_ENDPOINT and that the collector "
+            "is reachable",
         )
 
 
