@@ -62,6 +62,10 @@ class Settings:
     telemetry_every: int = 0
     telemetry_sources: tuple[str, ...] = ("process",)
     traces_exporter: tuple[str, ...] = ("jsonl",)
+    watchdog: bool = True
+    heartbeat_s: float = 10.0
+    stall_min_s: float = 10.0
+    stall_factor: float = 5.0
 
 
 # Converters take (value, from_env) and return the typed value; they raise ValueError or TypeError,
@@ -101,6 +105,19 @@ def _positive_float(value: Any, from_env: bool) -> float:
     if not math.isfinite(value) or value <= 0:
         raise ValueError(value)
     return float(value)
+
+
+def _float_at_least(minimum: float) -> Converter:
+    def convert(value: Any, from_env: bool) -> float:
+        if from_env:
+            value = float(value.strip())
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(value)
+        if not math.isfinite(value) or value < minimum:
+            raise ValueError(value)
+        return float(value)
+
+    return convert
 
 
 def _text(value: Any, from_env: bool) -> str:
@@ -202,6 +219,10 @@ _FIELDS: dict[str, _Field] = {
     "traces_exporter": _Field(
         _names(EXPORTERS), "a comma list of jsonl, otlp, console, or 'none' alone (e.g. 'jsonl,otlp')"
     ),
+    "watchdog": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
+    "heartbeat_s": _Field(_float_at_least(0.0), "a number of seconds >= 0 (0 disables heartbeats)"),
+    "stall_min_s": _Field(_positive_float, "a number of seconds > 0"),
+    "stall_factor": _Field(_float_at_least(1.0), "a number >= 1 (a multiple of the name's p99 duration)"),
 }
 
 ENV_VARS: dict[str, str] = {
