@@ -40,6 +40,10 @@ CASES: dict[str, tuple[str, Any, Any]] = {
     "telemetry_every": ("50", 50, 50),
     "telemetry_sources": ("process,cuda, nvml", ["process", "nvml"], None),
     "traces_exporter": ("jsonl,otlp", "console", None),
+    "watchdog": ("off", False, False),
+    "heartbeat_s": ("0", 2, 2.0),
+    "stall_min_s": ("2.5", 3, 3.0),
+    "stall_factor": ("3", 1, 1.0),
 }
 ENABLED_ENV = {"OTEL_TRAIN_SAVE_PATH": "/tmp/base"}
 
@@ -62,6 +66,9 @@ def test_defaults() -> None:
 def test_each_setting_from_env(key: str) -> None:
     raw, _, expected = CASES[key]
     expected_env = {
+        "heartbeat_s": 0.0,
+        "stall_min_s": 2.5,
+        "stall_factor": 3.0,
         "log_level": "DEBUG",
         "telemetry_sources": ("process", "cuda", "nvml"),
         "traces_exporter": ("jsonl", "otlp"),
@@ -169,6 +176,10 @@ def test_optional_keys_accept_none_in_config() -> None:
         ({"env": {"OTEL_TRACES_EXPORTER": "none,otlp"}}, ["OTEL_TRACES_EXPORTER", "'none' alone"]),
         ({"env": {"OTEL_TRAIN_TELEMETRY_SOURCES": "gpu"}}, ["OTEL_TRAIN_TELEMETRY_SOURCES", "nvml"]),
         ({"env": {"OTEL_TRAIN_LOG_LEVEL": "LOUD"}}, ["OTEL_TRAIN_LOG_LEVEL", "WARNING"]),
+        ({"env": {"OTEL_TRAIN_HEARTBEAT_S": "-1"}}, ["OTEL_TRAIN_HEARTBEAT_S", ">= 0"]),
+        ({"env": {"OTEL_TRAIN_STALL_MIN_S": "0"}}, ["OTEL_TRAIN_STALL_MIN_S", "> 0"]),
+        ({"env": {"OTEL_TRAIN_STALL_FACTOR": "0.5"}}, ["OTEL_TRAIN_STALL_FACTOR", ">= 1"]),
+        ({"env": {}, "config": {"stall_min_s": True}}, ["config key 'stall_min_s'"]),
         ({"env": {"OTEL_TRAIN_HANDLERS": "not a path"}}, ["OTEL_TRAIN_HANDLERS", "module:function"]),
         ({"env": {"OTEL_TRAIN_HANDLERS": "nodot"}}, ["OTEL_TRAIN_HANDLERS"]),
         ({"env": {}, "config": {"handlers": [42]}}, ["config key 'handlers'", "42"]),
