@@ -15,23 +15,32 @@ Findings (``kind``), decided per group of processes that ran together (same sour
 * ``error``: a span ended with an exception; one finding per (rank, innermost span, exception type)
   with a count. Errors a victim raised after the hang/crash culprit stopped (collective timeouts)
   are not findings.
-* ``straggler``: a rank slower than the median of its peers in one phase in at least half of the
-  shared steps. Excess that is explained by waiting (a peer arrived later at this phase because it
+* ``straggler`` (:func:`straggler_findings`): a rank slower than the median of its peers in one
+  phase in significantly more shared steps than chance gives, by enough to matter (docs/analysis.md
+  "Stragglers"). Excess that is explained by waiting (a peer arrived later at this phase because it
   was slower in an earlier phase of the same step) is discounted, so the rank that is slow in
-  ``data_fetch`` is named, not the peers that wait for it in ``backward``.
+  ``data_fetch`` is named, not the peers that wait for it in ``backward``. Each one says what it
+  costs per step, from the what-if model.
 * ``restart``: an attempt after the first; says whether it got further than the one before.
+
+Hang and crash findings name the ``victims`` (the peers that waited) and carry the culprit's
+``stacks`` when it wrote ``stall`` records (every thread's stack at its latest stall, the stalled
+thread first). Live ``watch`` passes which processes are still ``alive`` and which are still
+``running`` (making progress); after the fact every process has stopped.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from otel_train.analysis.spans import ErrorSpan, ProcessState, Run
-from otel_train.analysis.stats import peer_table, step_axis
+from otel_train.analysis.stacks import stall_stacks
+from otel_train.analysis.stats import PeerTable, peer_table, sign_test, step_axis
+from otel_train.analysis.whatif import Window, scenarios, step_cost, sync_table
 from otel_train.phases import STEP
 
 HANG = "hang"
@@ -41,12 +50,14 @@ STRAGGLER = "straggler"
 RESTART = "restart"
 FINDING_KINDS = (HANG, CRASH, ERROR, STRAGGLER, RESTART)
 
-STRAGGLER_MIN_RATIO = 1.25
-"""A step counts as slow when the rank took at least this multiple of its peer median ..."""
+STRAGGLER_MAX_P = 0.01
+"""A rank is slower than its peers' median in more steps than chance would give: sign test p below this ..."""
+STRAGGLER_MIN_STEPS = 10
+"""... over at least this many shared steps ..."""
 STRAGGLER_MIN_EXCESS_MS = 0.5
-"""... and at least this many ms more, after discounting time spent waiting for a later peer."""
-STRAGGLER_MIN_FRACTION = 0.5
-"""Slow in at least this fraction of the shared steps (and in at least 3) makes a straggler."""
+"""... and its median excess (after discounting waiting) is at least this many ms ..."""
+STRAGGLER_MIN_EXCESS_PCT = 5.0
+"""... and at least this percentage of the phase's median duration."""
 
 
 def _finding(kind: str, d: ProcessState | None, step: int | None, phase: str | None, message: str, **extra: Any):
@@ -61,17 +72,23 @@ def _finding(kind: str, d: ProcessState | None, step: int | None, phase: str | N
     }
 
 
-def findings(run: Run) -> list[dict[str, Any]]:
-    """All findings, culprits only: hangs and crashes first, then errors, stragglers, restarts."""
+def findings(
+    run: Run, *, alive: Collection[ProcessState] = (), running: Collection[ProcessState] = ()
+) -> list[dict[str, Any]]:
+    """All findings, culprits only: hangs and crashes first, then errors, stragglers, restarts.
+
+    For a live snapshot: ``alive`` processes have not died (whether or not they wrote ``process_end``
+    yet), ``running`` ones (a subset) are still making progress and so are neither hung nor crashed.
+    """
     order = {name: i for i, name in enumerate(run.phase_order())}
     out: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     stragglers: list[dict[str, Any]] = []
     for group in run.groups():
-        culprits, stop_found = _stop_findings(group, order)
+        culprits, stop_found = _stop_findings(group, order, alive, running)
         out.extend(stop_found)
         errors.extend(_error_findings(group, culprits))
-        stragglers.extend(_straggler_findings(group, run.phase_order()))
+        stragglers.extend(straggler_findings(group, run.phase_order()))
     return out + errors + stragglers + _restart_findings(run)
 
 
@@ -99,12 +116,18 @@ def _position(d: ProcessState, order: dict[str, int]) -> tuple[int, float]:
 
 
 def _stop_findings(
-    group: list[ProcessState], order: dict[str, int]
+    group: list[ProcessState], order: dict[str, int], alive: Collection[ProcessState] = (),
+    running: Collection[ProcessState] = (),
 ) -> tuple[list[ProcessState], list[dict[str, Any]]]:
     """Hang and crash findings of one group; returns (culprits, findings)."""
-    stopped = [d for d in group if d.unclosed]
-    others = [d for d in group if not d.unclosed]
-    died_outside = [d for d in others if not d.ended_cleanly]
+
+    def dead(d: ProcessState) -> bool:
+        return not d.ended_cleanly and d not in alive
+
+    settled = [d for d in group if d not in running]
+    stopped = [d for d in settled if d.unclosed]
+    others = [d for d in settled if not d.unclosed]
+    died_outside = [d for d in others if dead(d)]
     if stopped:
         # Only a death before anyone got stuck can explain the stuck ones; a later one is their echo
         # (e.g. a collective failing once the stuck rank was killed).
@@ -118,6 +141,7 @@ def _stop_findings(
                 CRASH, d, step, phase,
                 f"rank {d.rank} (attempt {d.attempt}) ended without shutdown after step {step}"
                 f" (last record: {d.last_event}); it died outside any span",
+                victims=[p.rank for p in stopped],
             )
         )
     culprits = list(died_outside)
@@ -131,16 +155,16 @@ def _stop_findings(
     behind = [d for d in stopped if pos[id(d)] == lowest]
     ahead = [d for d in stopped if pos[id(d)] != lowest]
     if not ahead and not others:
-        dead = [d for d in stopped if not d.ended_cleanly]
-        if 0 < len(dead) < len(stopped):
-            behind, ahead = dead, [d for d in stopped if d.ended_cleanly]
+        gone = [d for d in stopped if dead(d)]
+        if 0 < len(gone) < len(stopped):
+            behind, ahead = gone, [d for d in stopped if not dead(d)]
         elif len(stopped) > 1:
             found.append(_all_stopped(stopped))
             return culprits, found
     for d in behind:
         step, phase = _where(d)
         alone = len(group) == 1
-        crashed = not d.ended_cleanly and (alone or any(p.ended_cleanly for p in group if p is not d))
+        crashed = dead(d) and (alone or any(not dead(p) for p in group if p is not d))
         chain = " > ".join(u.name for u in d.unclosed)
         waiting = ""
         if ahead:
@@ -152,7 +176,9 @@ def _stop_findings(
             message = f"rank {d.rank} (attempt {d.attempt}) died without shutdown inside {chain} at step {step}{waiting}"
         else:
             message = f"rank {d.rank} (attempt {d.attempt}) stopped inside {chain} at step {step}{waiting}"
-        found.append(_finding(CRASH if crashed else HANG, d, step, phase, message))
+        stacks = stall_stacks(d)
+        found.append(_finding(CRASH if crashed else HANG, d, step, phase, message, victims=[p.rank for p in ahead],
+                              **({"stacks": stacks} if stacks else {})))
         culprits.append(d)
     return culprits, found
 
@@ -265,50 +291,86 @@ def _error_findings(group: list[ProcessState], culprits: list[ProcessState]) -> 
     return out
 
 
-def _straggler_findings(group: list[ProcessState], order: list[str]) -> list[dict[str, Any]]:
+def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | None = None,
+                       window: Window | None = None) -> list[dict[str, Any]]:
+    """Straggler findings of one group of processes that ran together, over the steps ``window``
+    (inclusive; live ``watch`` passes its recent steps) or all of them.
+
+    A rank is named in a phase when, after discounting waiting that a later peer explains, it is
+    slower than its peers' median in significantly more shared steps than chance gives (one-sided
+    sign test, p < ``STRAGGLER_MAX_P``, at least ``STRAGGLER_MIN_STEPS`` steps) *and* its median
+    excess is at least ``STRAGGLER_MIN_EXCESS_MS`` and ``STRAGGLER_MIN_EXCESS_PCT`` of the phase's
+    median. Each finding carries its score, p-value and its cost per step (from the what-if model).
+    """
     if len(group) < 2:
         return []
-    names = [n for n in order if any(n in d.phases for d in group)]
+    names = [n for n in (order or Run(list(group)).phase_order()) if any(n in d.phases for d in group)]
     children = {n for n in names if any(d.parents.get(n) == STEP for d in group)}
     axis = step_axis(group, names)
+    if window is not None:
+        axis = axis[(axis >= window[0]) & (axis <= window[1])]
     # How late each rank arrived at the current step-child phase: its summed excess over its peers
     # in the earlier child phases of the same step. Waiting for a later peer is explained excess.
     lateness = np.zeros((axis.size, len(group)))
-    out = []
+    out: list[dict[str, Any]] = []
     for name in names:
         table = peer_table(group, name, axis)
-        durs, refs = table.durs, table.peers
-        excess = durs - refs
-        explained = lateness.max(axis=1, keepdims=True) - lateness if name in children else 0.0
-        with np.errstate(invalid="ignore"):
-            slow = (durs >= STRAGGLER_MIN_RATIO * refs) & (
-                excess - explained >= np.maximum(STRAGGLER_MIN_EXCESS_MS, 0.25 * refs)
-            )
-        counted = (~np.isnan(excess)).sum(axis=0)
+        excess = table.durs - table.peers
+        net = excess - (lateness.max(axis=1, keepdims=True) - lateness) if name in children else excess
         if name in children:
             lateness += np.nan_to_num(excess)
-        for j, d in enumerate(group):
-            hits = int(slow[:, j].sum())
-            n = int(counted[j])
-            if not n or hits < max(3, STRAGGLER_MIN_FRACTION * n):
-                continue
-            mask = slow[:, j]
-            ratio = float(np.median(durs[mask, j] / refs[mask, j]))
-            extra = float(np.median(excess[mask, j]))
-            worst = int(np.flatnonzero(mask)[excess[mask, j].argmax()])
-            worst_step, worst_ms = int(axis[worst]), float(excess[worst, j])
-            out.append(
-                _finding(
-                    STRAGGLER, d, worst_step, name,
-                    f"rank {d.rank} (attempt {d.attempt}) is slower than its peers in {name} in "
-                    f"{hits}/{n} steps: {ratio:.1f}x the peer median (+{extra:.1f} ms per step; "
-                    f"worst at step {worst_step}, +{worst_ms:.1f} ms)",
-                    score=ratio,
-                    slow_steps=hits,
-                    steps=n,
-                )
+        out.extend(_stragglers_in(group, table, net))
+    return _with_costs(group, out, window)
+
+
+def _stragglers_in(group: Sequence[ProcessState], table: PeerTable, net: np.ndarray) -> list[dict[str, Any]]:
+    """The ranks that pass the straggler rule in one phase (``net``: excess not explained by waiting)."""
+    out = []
+    valid = ~np.isnan(net)
+    typical = float(np.median(table.durs[valid])) if valid.any() else 0.0
+    floor = max(STRAGGLER_MIN_EXCESS_MS, STRAGGLER_MIN_EXCESS_PCT / 100.0 * typical)
+    for j, d in enumerate(group):
+        col, durs, peers = net[valid[:, j], j], table.durs[valid[:, j], j], table.peers[valid[:, j], j]
+        slower, decided = int((col > 0).sum()), int((col != 0).sum())
+        if col.size < STRAGGLER_MIN_STEPS or slower <= decided / 2:
+            continue
+        p = sign_test(slower, decided)
+        extra = float(np.median(col))
+        if p >= STRAGGLER_MAX_P or extra < floor:
+            continue
+        with np.errstate(divide="ignore", invalid="ignore"):
+            score = float(np.median(durs / peers))
+        worst = int(col.argmax())
+        worst_step = int(table.steps[valid[:, j]][worst])
+        out.append(
+            _finding(
+                STRAGGLER, d, worst_step, table.phase,
+                f"rank {d.rank} (attempt {d.attempt}) is slower than its peers in {table.phase} in {slower}/{col.size} "
+                f"steps (sign test p={p:.1g}): +{extra:.1f} ms per step at the median, {score:.2f}x the peer "
+                f"median (worst at step {worst_step}, +{float(col[worst]):.1f} ms)",
+                score=score, p_value=p, excess_ms=extra, slow_steps=slower, steps=int(col.size),
             )
+        )
     return out
+
+
+def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], window: Window | None
+                ) -> list[dict[str, Any]]:
+    """Each straggler's cost per step: the step time with that rank's phase made typical (whatif)."""
+    if not found:
+        return found
+    table = sync_table(group, window=window)
+    if table is None:
+        return found
+    s = scenarios(table)
+    actual = float(s.actual.mean())
+    for f in found:
+        typical = s.by_rank_phase.get((f["rank"], f["phase"]), s.by_rank[f["rank"]])
+        cost = step_cost(actual, float(typical.mean()))
+        f.update(cost)
+        f["message"] += (f"; it costs {cost['cost_ms']:.1f} ms of every {actual:.1f} ms step "
+                         f"({cost['cost_pct']:.0f} %, what-if)")
+    return found
 
 
 def _restart_findings(run: Run) -> list[dict[str, Any]]:

@@ -1,0 +1,424 @@
+"""Live diagnosis: follow a run while it is written and name the culprit as it happens (``otel-train watch``).
+
+One state and one set of rules with summarize: every process's files are followed by a
+:class:`~otel_train.analysis.records.Tail` and fed into the same
+:class:`~otel_train.analysis.spans.ProcessState` summarize builds, and the findings are those of
+:func:`~otel_train.analysis.findings.findings`, asked of the live snapshot. What is live-only is the
+knowledge of which processes still run, and *when* to ask (docs/watch.md):
+
+* a process has **ended** when it wrote ``process_end``; it is **dead** when its pid is gone on this
+  host or, elsewhere, when it wrote nothing, not even a heartbeat, for 3 × ``heartbeat_s``; a process
+  on this host that is alive but wrote nothing for that long is **silent** (a thread holds the GIL);
+* it is **stalled** when its innermost open span has been open past that name's stall threshold in
+  that process (``otel_train.stall``, the watchdog's rule), or the watchdog wrote a ``stall`` for it;
+* a group of processes that ran together (source, attempt) is **hung** when none of them closed a
+  span for max(``stall_min_s``, ``stall_factor`` × the group's p99 step time so far) and one of them
+  stalled. Processes of a hung group, dead ones and ended ones are the snapshot's stopped processes;
+  the others are still *running* and no hang or crash is looked for in them;
+* findings are asked for when a process appears, ends or dies, an error span appears, a group hangs,
+  and every :data:`EVALUATE_EVERY_S` (stragglers); each is raised once. A hang is *resolved* when its
+  culprit closes a span again and its group is no longer hung; a straggler when it is no longer one.
+
+Thresholds come from each process's own settings (its ``process_start`` record), defaults otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from otel_train import schema
+from otel_train.analysis.findings import CRASH, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure
+from otel_train.analysis.records import AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, Warn, head
+from otel_train.analysis.spans import STATUS_OPEN, ProcessState, Run, assign_attempts
+from otel_train.analysis.stacks import clean_stacks
+from otel_train.config import Settings
+from otel_train.phases import STEP
+from otel_train.stall import stall_threshold
+
+EVALUATE_EVERY_S = 10.0
+"""Findings are asked for at least this often (stragglers change without any single event)."""
+DEAD_AFTER_HEARTBEATS = 3
+"""A process that wrote nothing for this many heartbeat periods is dead (or, on this host and alive, silent)."""
+RESTART_GRACE_S = 30.0
+"""After every process ended, how long to wait for a new attempt unless all of them ended cleanly."""
+PY_SPY_TIMEOUT_S = 10.0
+
+_OK_END = (schema.STATUS_OK, None)
+
+Event = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """A process's watchdog settings (from its ``process_start`` record), which the live rules use too."""
+
+    watchdog: bool
+    heartbeat_s: float
+    stall_min_s: float
+    stall_factor: float
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any] | None) -> Thresholds:
+        """From a ``process_start`` record's ``settings``; defaults for what is missing or malformed."""
+        base = Settings()
+        given = settings if isinstance(settings, Mapping) else {}
+
+        def seconds(key: str, low: float) -> float:
+            value = given.get(key)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value < float("inf")
+            return float(value) if ok else float(getattr(base, key))
+
+        watchdog = given.get("watchdog")
+        return cls(watchdog if isinstance(watchdog, bool) else base.watchdog, seconds("heartbeat_s", 0.0),
+                   seconds("stall_min_s", 1e-3), seconds("stall_factor", 1.0))
+
+    @property
+    def silence_s(self) -> float:
+        """No record for this long: dead (elsewhere) or silent (on this host)."""
+        return DEAD_AFTER_HEARTBEATS * (self.heartbeat_s or Settings().heartbeat_s)
+
+
+DEFAULT_THRESHOLDS = Thresholds.of(None)
+
+
+class HostProbe:
+    """Processes on this host: whether a pid still runs, and a py-spy dump of a live one's stacks."""
+
+    def __init__(self, host: str | None = None) -> None:
+        self.host = host if host is not None else socket.gethostname()
+        self.py_spy = shutil.which("py-spy")
+
+    def is_local(self, host: str | None, pid: int | None) -> bool:
+        """Whether the process ``pid`` on ``host`` can be probed from here."""
+        return bool(pid) and host == self.host
+
+    def alive(self, pid: int) -> bool:
+        """Whether ``pid`` exists and is not a zombie."""
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+        except FileNotFoundError:
+            return False
+        except OSError:
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def dump(self, pid: int) -> list[dict[str, Any]] | None:
+        """Every thread's stack of ``pid`` by ``py-spy dump`` (innermost last); None when py-spy is
+        missing, not permitted, or takes longer than :data:`PY_SPY_TIMEOUT_S`."""
+        if self.py_spy is None:
+            return None
+        try:
+            done = subprocess.run([self.py_spy, "dump", "--pid", str(pid), "--json", "--full-filenames"],
+                                  capture_output=True, timeout=PY_SPY_TIMEOUT_S, check=False)
+            threads = json.loads(done.stdout) if done.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, ValueError):
+            return None
+        if not isinstance(threads, list):
+            return None
+        return clean_stacks([_spy_stack(t) for t in threads if isinstance(t, dict)])
+
+
+def _spy_stack(thread: dict[str, Any]) -> dict[str, Any]:
+    frames = [f for f in thread.get("frames") or [] if isinstance(f, dict)]
+    return {
+        "tid": thread.get("os_thread_id") or thread.get("thread_id"),
+        "thread": thread.get("thread_name") or "",
+        "frames": [f"{f.get('filename')}:{f.get('line')}:{f.get('name')}" for f in reversed(frames)],
+        **({"owns_gil": True} if thread.get("owns_gil") else {}),
+    }
+
+
+class LiveProcess:
+    """One process instance being followed: its span-model state and what only a live reader knows."""
+
+    __slots__ = ("state", "thresholds", "progress_ts", "local", "dead", "silent", "gone_at")
+
+    def __init__(self, state: ProcessState, local: bool) -> None:
+        self.state = state
+        self.thresholds = DEFAULT_THRESHOLDS
+        self.progress_ts: float | None = None  # the last span that closed ok (writer's clock)
+        self.local = local
+        self.dead = False
+        self.silent = False
+        self.gone_at: float | None = None  # when it ended or died (watch's clock)
+
+    @property
+    def finished(self) -> bool:
+        """Ended through shutdown, or dead."""
+        return self.dead or self.state.ended_cleanly
+
+    def take(self, records: list[AnyRecord]) -> bool:
+        """Feed a batch; returns whether it changed what findings could say (an error, the end)."""
+        state = self.state
+        errors, ended = len(state.errors), state.ended_cleanly
+        state.feed(records)
+        ends = [r.ts for r in records if type(r) is SpanEnd and r.status in _OK_END]
+        if ends:
+            self.progress_ts = max(self.progress_ts or 0.0, max(ends))
+        for r in records:
+            if type(r) is Instant and r.name == schema.INSTANT_PROCESS_START:
+                self.thresholds = Thresholds.of((r.attrs or {}).get("settings"))
+        return len(state.errors) != errors or state.ended_cleanly != ended
+
+    def stalled(self, now: float) -> bool:
+        """Whether its innermost open span is past that name's stall threshold in this process."""
+        inner = self.state.innermost
+        if inner is None or inner.status != STATUS_OPEN:
+            return False
+        open_s = now - inner.start_ts
+        th = self.thresholds
+        if open_s < th.stall_min_s:
+            return False
+        if inner.span_id in self.state.stalls:
+            return True  # the watchdog, which sees the process's own clock, said so
+        series = self.state.phases.get(inner.name)
+        count, p99 = _p99_s(series.durs if series is not None else ())
+        return open_s >= stall_threshold(count, p99, th.stall_min_s, th.stall_factor)
+
+    def open_for(self, now: float) -> float | None:
+        """Seconds its innermost open span has been open."""
+        inner = self.state.innermost
+        return None if inner is None or self.finished else max(0.0, now - inner.start_ts)
+
+    def status(self, now: float) -> str:
+        """ended, dead, silent, stalled or running."""
+        if self.state.ended_cleanly:
+            return "ended"
+        if self.dead:
+            return "dead"
+        if self.silent:
+            return "silent"
+        return "stalled" if self.stalled(now) else "running"
+
+
+def _p99_s(durs_ms: Iterable[float]) -> tuple[int, float | None]:
+    values = np.asarray(durs_ms, dtype=float)
+    if not values.size:
+        return 0, None
+    return int(values.size), float(np.quantile(values, 0.99)) / 1000.0
+
+
+class LiveRun:
+    """The run at ``path`` as it is written: :meth:`poll` reads what is new and returns events.
+
+    Events are ``{"type": "finding" | "resolved", "ts", "finding"}`` (docs/watch.md). ``stacks``:
+    add the culprit's stacks to hang and crash findings (its latest stall record, or a py-spy dump of
+    a silent process on this host). ``clock`` and ``probe`` are for tests and benchmarks.
+    """
+
+    def __init__(self, path: str | Path, *, warn: Warn | None = None, stacks: bool = False,
+                 probe: HostProbe | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.tail = Tail(Path(path), BadLines(warn))
+        self.stacks = stacks
+        self.probe = probe if probe is not None else HostProbe()
+        self.clock = clock
+        self.procs: dict[tuple[str, int, str], LiveProcess] = {}
+        self.raised: list[dict[str, Any]] = []  # every finding raised, in order
+        self._keys: set[tuple[Any, ...]] = set()
+        self._active: dict[tuple[Any, ...], tuple[float, dict[str, Any]]] = {}  # hangs and stragglers
+        self._pfs: dict[tuple[str, int, str], ProcessFiles] = {}
+        self._heads: dict[tuple[str, int, str], Head | None] = {}
+        self._hung: set[tuple[str, int]] = set()
+        self._dirty = False
+        self._next_eval = 0.0
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def poll(self) -> list[Event]:
+        """Read what was written since the last poll, update liveness, and return new events."""
+        now = self.clock()
+        for pf, records in self.tail.poll():
+            lp = self.procs.get(pf.key) or self._add(pf)
+            self._dirty |= lp.take(records)
+        self._update_liveness(now)
+        return self._evaluate(now)
+
+    @property
+    def malformed_lines(self) -> int:
+        """Lines skipped so far."""
+        return self.tail.malformed_lines
+
+    def _add(self, pf: ProcessFiles) -> LiveProcess:
+        self._pfs[pf.key] = pf
+        if pf.key not in self._heads:
+            self._heads[pf.key] = head(pf)
+        attempts = assign_attempts(self._pfs.values(), {p: self._heads[k] for k, p in self._pfs.items()})
+        for key, lp in self.procs.items():  # unnumbered restarts are renumbered by start time
+            lp.state.attempt = attempts[self._pfs[key]]
+        state = ProcessState.of(pf, attempts[pf], meta=self._heads[pf.key])
+        lp = self.procs[pf.key] = LiveProcess(state, self.probe.is_local(state.host, state.pid))
+        self._dirty = True
+        return lp
+
+    def _update_liveness(self, now: float) -> None:
+        for lp in self.procs.values():
+            if lp.finished:
+                if lp.gone_at is None:
+                    lp.gone_at = now
+                continue
+            state, th = lp.state, lp.thresholds
+            quiet = now - (state.last_ts or now)
+            if lp.local:
+                lp.dead = not self.probe.alive(state.pid)  # type: ignore[arg-type]
+                lp.silent = not lp.dead and quiet >= th.silence_s
+            elif th.watchdog and th.heartbeat_s > 0:
+                lp.dead = quiet >= th.silence_s
+            if lp.dead:
+                lp.gone_at = now
+                self._dirty = True
+
+    # -- deciding ------------------------------------------------------------------------------
+
+    def groups(self) -> dict[tuple[str, int], list[LiveProcess]]:
+        """Processes that ran together, by (source, attempt), ranks ascending."""
+        out: dict[tuple[str, int], list[LiveProcess]] = {}
+        for lp in sorted(self.procs.values(), key=lambda p: (p.state.source, p.state.attempt, p.state.rank)):
+            out.setdefault((lp.state.source, lp.state.attempt), []).append(lp)
+        return out
+
+    def _group_hung(self, group: list[LiveProcess], now: float) -> bool:
+        live = [lp for lp in group if not lp.finished]
+        if not live:
+            return False
+        th = live[0].thresholds
+        progress = max((lp.progress_ts or lp.state.first_ts or now) for lp in group)
+        quiet = now - progress
+        if quiet < th.stall_min_s:
+            return False
+        steps = [lp.state.phases[STEP].durs for lp in group if STEP in lp.state.phases]
+        count, p99 = _p99_s(np.concatenate(steps) if steps else ())
+        if quiet < stall_threshold(count, p99, th.stall_min_s, th.stall_factor):
+            return False
+        return any(lp.stalled(now) for lp in live)
+
+    def _evaluate(self, now: float) -> list[Event]:
+        groups = self.groups()
+        hung = {key for key, group in groups.items() if self._group_hung(group, now)}
+        if hung != self._hung:  # a group hung, or one that was hung moves again
+            self._dirty = True
+        self._hung = hung
+        if not self._dirty and now < self._next_eval:
+            return []
+        self._dirty, self._next_eval = False, now + EVALUATE_EVERY_S
+        alive = {lp.state for lp in self.procs.values() if not lp.dead}
+        running = {lp.state for key, group in groups.items() if key not in hung for lp in group if not lp.finished}
+        found = findings(Run([lp.state for lp in self.procs.values()]), alive=alive, running=running)
+        return self._raise(found, groups, running, now) + self._resolve(found, groups, now)
+
+    def _raise(self, found: list[dict[str, Any]], groups: dict[tuple[str, int], list[LiveProcess]],
+               running: set[ProcessState], now: float) -> list[Event]:
+        events = []
+        for f in found:
+            key = _key(f)
+            if key in self._keys or self._premature(f, groups, running):
+                continue
+            self._keys.add(key)
+            f = self._complete(f, now)
+            self.raised.append(f)
+            if f["kind"] in (HANG, STRAGGLER):
+                self._active[key] = (now, f)
+            events.append({"type": "finding", "ts": now, "finding": f})
+        return events
+
+    def _premature(self, f: dict[str, Any], groups: dict[tuple[str, int], list[LiveProcess]],
+                   running: set[ProcessState]) -> bool:
+        """Findings that must wait: a collective failure while its group still runs (its culprit is
+        usually another rank, not yet known), and a crash that is the echo of a hang already raised."""
+        if f["kind"] == ERROR and is_collective_failure("", f["message"]):
+            return any(lp.state in running for lp in _of_attempt(groups, f["attempt"]))
+        if f["kind"] == CRASH:
+            return (HANG, f["attempt"], f["rank"], None) in self._keys
+        return False
+
+    def _complete(self, f: dict[str, Any], now: float) -> dict[str, Any]:
+        """The finding as watch prints it: victims always, ``since`` for a stop, stacks only when asked."""
+        f = {**f, "victims": f.get("victims", [])}
+        stacks = f.pop("stacks", None)
+        lp = self._culprit(f)
+        if f["kind"] in (HANG, CRASH) and lp is not None:
+            inner = lp.state.innermost
+            f["since"] = inner.start_ts if inner is not None and not lp.state.ended_cleanly else lp.state.last_ts
+            if self.stacks and stacks is None and lp.local and lp.silent and not lp.dead:
+                stacks = self.probe.dump(lp.state.pid)  # type: ignore[arg-type]
+        if self.stacks and stacks:
+            f["stacks"] = stacks
+        return f
+
+    def _culprit(self, f: dict[str, Any]) -> LiveProcess | None:
+        matches = [lp for lp in self.procs.values() if lp.state.rank == f["rank"] and lp.state.attempt == f["attempt"]]
+        return matches[0] if len(matches) == 1 else None
+
+    def _resolve(self, found: list[dict[str, Any]], groups: dict[tuple[str, int], list[LiveProcess]],
+                 now: float) -> list[Event]:
+        current = {_key(f) for f in found}
+        events = []
+        for key, (raised_at, f) in list(self._active.items()):
+            group = _of_attempt(groups, f["attempt"])
+            if f["kind"] == HANG:
+                still_hung = any(attempt == f["attempt"] for _, attempt in self._hung)
+                movers = [lp for lp in group if f["rank"] is None or lp.state.rank == f["rank"]]
+                done = not still_hung and any(
+                    (lp.progress_ts or 0.0) > (f.get("since") or raised_at) and not lp.finished for lp in movers)
+            else:
+                done = key not in current and any(not lp.finished for lp in group)
+            if done:
+                del self._active[key]
+                self._keys.discard(key)
+                events.append({"type": "resolved", "ts": now, "finding": f})
+        return events
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def finished(self, now: float | None = None) -> bool:
+        """Every process ended or died, and no new attempt is expected: at once when all ended cleanly
+        without a hang, crash or error finding, else after :data:`RESTART_GRACE_S`."""
+        if not self.procs or any(not lp.finished for lp in self.procs.values()):
+            return False
+        now = self.clock() if now is None else now
+        last = max(lp.gone_at or now for lp in self.procs.values())
+        latest = max(lp.state.attempt for lp in self.procs.values())
+        failed = any(f["kind"] in (HANG, CRASH, ERROR) and f["attempt"] == latest for f in self.raised)
+        clean = all(lp.state.ended_cleanly for lp in self.procs.values()) and not failed
+        return clean or now - last >= RESTART_GRACE_S
+
+    def rows(self, now: float | None = None) -> list[dict[str, Any]]:
+        """One row per process for a live table: rank, attempt, step, open spans, open for, state."""
+        now = self.clock() if now is None else now
+        out = []
+        for lp in sorted(self.procs.values(), key=lambda p: (p.state.attempt, p.state.rank, p.state.source)):
+            s = lp.state
+            out.append({"rank": s.rank, "attempt": s.attempt, "source": s.source, "step": s.final_step,
+                        "open": [u.name for u in s.unclosed] if not lp.finished else [],
+                        "open_for": lp.open_for(now), "state": lp.status(now), "host": s.host, "pid": s.pid})
+        return out
+
+
+def _of_attempt(groups: dict[tuple[str, int], list[LiveProcess]], attempt: int | None) -> list[LiveProcess]:
+    return [lp for (_, a), group in groups.items() if a == attempt for lp in group]
+
+
+def _key(f: dict[str, Any]) -> tuple[Any, ...]:
+    kind = f["kind"]
+    if kind == RESTART:
+        return (kind, f["attempt"], f.get("progress"))
+    if kind in (ERROR, STRAGGLER):
+        return (kind, f["attempt"], f["rank"], f["phase"], f["step"] if kind == ERROR else None)
+    return (kind, f["attempt"], f["rank"], None)

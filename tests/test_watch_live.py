@@ -1,0 +1,217 @@
+"""Live rules on synthetic runs written as they grow: the one findings module asked of a live snapshot
+(alive and running processes), stall stacks in findings, and :class:`LiveRun` with a controlled clock."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from analysis_fixtures import Proc, write_run
+
+from otel_train import schema
+from otel_train.analysis.findings import findings
+from otel_train.analysis.live import LiveRun
+from otel_train.analysis.spans import load_run
+from otel_train.analysis.stacks import describe_stack, user_frames
+from otel_train.analysis.summary import summarize
+from otel_train.phases import BACKWARD, CHECKPOINT, FORWARD
+
+STACK = ["/usr/lib/python3.11/threading.py:1002:_bootstrap", "/home/u/train.py:88:main",
+         "/home/u/train.py:40:forward_pass", "/usr/lib/python3.11/re/__init__.py:166:match"]
+
+
+def _stall(proc: Proc, span: str, open_s: float) -> None:
+    proc.instant(schema.INSTANT_STALL, span=span, open_s=open_s, threshold_s=2.0, tid=1,
+                 stacks=[{"tid": 7, "thread": "loader", "frames": ["/home/u/data.py:3:load"]},
+                         {"tid": 1, "thread": "MainThread", "frames": STACK}])
+
+
+def _hung_pair(with_stall: bool = True) -> list[Proc]:
+    procs = [Proc(rank=r) for r in (0, 1)]
+    for p in procs:
+        p.steps(range(6))
+    procs[0].stop_inside(6, [FORWARD, BACKWARD][:1])
+    procs[0].end()  # rank 0 finished forward ...
+    procs[0].start(BACKWARD)  # ... and waits in backward's all-reduce
+    procs[1].stop_inside(6, [FORWARD])
+    if with_stall:
+        procs[1].advance(3000)
+        _stall(procs[1], FORWARD, 3.0)
+    return procs
+
+
+def test_hang_finding_names_victims_and_carries_the_stalled_threads_stack_first(tmp_path: Path) -> None:
+    write_run(tmp_path, _hung_pair())
+    hang = summarize(tmp_path)["findings"][0]
+    assert (hang["kind"], hang["rank"], hang["phase"], hang["victims"]) == ("hang", 1, FORWARD, [0])
+    assert [s["tid"] for s in hang["stacks"]] == [1, 7]
+    mine, inner = user_frames(hang["stacks"][0]["frames"])
+    assert mine == STACK[1:3] and inner == STACK[3]
+    assert describe_stack(hang["stacks"][0]) == "MainThread: u/train.py:88:main > u/train.py:40:forward_pass (in re/__init__.py:166:match)"
+
+
+def test_no_stacks_key_without_stall_records(tmp_path: Path) -> None:
+    write_run(tmp_path, _hung_pair(with_stall=False))
+    assert "stacks" not in summarize(tmp_path)["findings"][0]
+
+
+def test_a_running_process_is_neither_hung_nor_crashed_and_a_dead_one_is_a_crash(tmp_path: Path) -> None:
+    procs = [Proc(rank=r) for r in (0, 1)]
+    for p in procs:
+        p.steps(range(3))
+    procs[0].stop_inside(3, [FORWARD])  # rank 0 is mid-step, still making progress
+    procs[1].stop_inside(2 + 1, [FORWARD])  # rank 1 died in forward (its pid is gone)
+    write_run(tmp_path, procs)
+    run = load_run(tmp_path)
+    rank0, rank1 = run.processes
+    # After the fact both stopped alike in forward and neither shut down: one finding for the group.
+    assert [(f["kind"], f["rank"]) for f in findings(run)] == [("hang", None)]
+    live = findings(run, alive={rank0}, running={rank0})
+    assert [(f["kind"], f["rank"], f["phase"]) for f in live] == [("crash", 1, FORWARD)]
+    assert findings(run, alive={rank0, rank1}, running={rank0, rank1}) == []
+
+
+class FakeHost:
+    """A HostProbe for processes that are only files: ``dead`` pids are gone, the rest run; no py-spy."""
+
+    def __init__(self, host: str = "node0") -> None:
+        self.host = host
+        self.dead: set[int] = set()
+
+    def is_local(self, host: str | None, pid: int | None) -> bool:
+        return bool(pid) and host == self.host
+
+    def alive(self, pid: int) -> bool:
+        return pid not in self.dead
+
+    def dump(self, pid: int) -> None:
+        return None
+
+
+class Growing:
+    """Processes whose lines reach their files a piece at a time, read by a LiveRun on a fake clock."""
+
+    def __init__(self, run_dir: Path, procs: list[Proc], **live_kwargs: object) -> None:
+        self.logs = run_dir / schema.STRUCTURED_LOGS_DIR
+        self.procs = procs
+        self.written = {id(p): 0 for p in procs}
+        self.now = procs[0].t0
+        self.host = FakeHost()
+        self.live = LiveRun(run_dir, probe=self.host, clock=lambda: self.now, **live_kwargs)  # type: ignore[arg-type]
+
+    def flush(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        for p in self.procs:
+            new = p.lines[self.written[id(p)]:]
+            if new:
+                with open(self.logs / p.file_name, "a") as f:
+                    f.write("".join(line + "\n" for line in new))
+                self.written[id(p)] = len(p.lines)
+
+    def poll_at(self, seconds_after_last_record: float) -> list[dict]:
+        self.flush()
+        self.now = max(p.t0 + p.now_ms / 1000 for p in self.procs) + seconds_after_last_record
+        return self.live.poll()
+
+
+def _settings(proc: Proc, stall_min_s: float = 2.0, heartbeat_s: float = 1.0) -> None:
+    proc.lines.clear()
+    proc._seq = 0
+    proc.instant(schema.INSTANT_PROCESS_START, settings={"watchdog": True, "heartbeat_s": heartbeat_s,
+                                                         "stall_min_s": stall_min_s, "stall_factor": 5.0})
+
+
+def _pair(n: int = 2, host: str = "node0") -> list[Proc]:
+    procs = [Proc(rank=r, world_size=n, host=host) for r in range(n)]
+    for p in procs:
+        _settings(p)
+        p.steps(range(8))
+    return procs
+
+
+def test_live_hang_after_the_threshold_names_the_culprit_then_resolves(tmp_path: Path) -> None:
+    procs = _pair()
+    g = Growing(tmp_path, procs)
+    assert g.poll_at(0.1) == []
+    procs[1].stop_inside(8, [FORWARD])
+    procs[0].stop_inside(8, [BACKWARD])
+    assert g.poll_at(1.0) == []  # below stall_min_s: nothing yet
+    events = g.poll_at(2.5)  # past max(2 s, 5 × p99 step ≈ 0.4 s) and forward's own threshold
+    assert [(e["type"], e["finding"]["kind"], e["finding"]["rank"], e["finding"]["phase"]) for e in events] == [
+        ("finding", "hang", 1, FORWARD)]
+    f = events[0]["finding"]
+    assert f["victims"] == [0] and f["since"] == pytest.approx(procs[1].t0 + (procs[1].now_ms - 1) / 1000)
+    assert g.poll_at(5.0) == []  # raised once
+    procs[1].advance(10)
+    procs[1].end()  # forward returns after all
+    resolved = g.poll_at(0.1)
+    assert [(e["type"], e["finding"]["rank"]) for e in resolved] == [("resolved", 1)]
+
+
+def test_legitimately_slow_checkpoint_is_no_hang(tmp_path: Path) -> None:
+    procs = _pair()
+    g = Growing(tmp_path, procs)
+    for p in procs:
+        p.set_step(8)
+        p.start("step")
+        p.start(CHECKPOINT)  # no history yet: threshold stall_min_s × stall_factor = 10 s
+        for _ in range(8):  # the watchdog's heartbeats: quiet, not silent
+            p.advance(1000)
+            p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step", CHECKPOINT]}])
+    assert g.poll_at(0.0) == []
+    assert [lp.status(g.now) for lp in g.live.procs.values()] == ["running", "running"]
+    # Past the checkpoint's own threshold it is a hang after all: both ranks alike, no culprit to name.
+    assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in g.poll_at(2.5)] == [("hang", None)]
+
+
+def test_process_gone_from_this_host_is_a_crash_at_once(tmp_path: Path) -> None:
+    procs = _pair()
+    g = Growing(tmp_path, procs)
+    procs[1].stop_inside(8, ["optimizer"])
+    procs[0].stop_inside(9, [FORWARD])
+    assert g.poll_at(0.1) == []
+    g.host.dead.add(procs[1].pid)
+    events = g.poll_at(0.2)
+    assert [(e["finding"]["kind"], e["finding"]["rank"], e["finding"]["phase"]) for e in events] == [
+        ("crash", 1, "optimizer")]
+    assert [row["state"] for row in g.live.rows(g.now)] == ["running", "dead"]
+
+
+def test_remote_process_without_heartbeats_is_dead_after_three_periods(tmp_path: Path) -> None:
+    procs = _pair(host="node9")  # not this host: only silence tells
+    g = Growing(tmp_path, procs)
+    procs[1].stop_inside(8, [FORWARD])
+    procs[0].stop_inside(9, [FORWARD])
+    assert g.poll_at(0.1) == []
+    procs[0].advance(3400)
+    procs[0].instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step", FORWARD]}])
+    events = g.poll_at(0.1)  # rank 1 silent for 3.5 s > 3 × heartbeat_s; rank 0's heartbeat keeps it alive
+    assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in events] == [("crash", 1)]
+
+
+def test_new_attempt_is_a_restart_and_watch_waits_for_it(tmp_path: Path) -> None:
+    procs = _pair()
+    g = Growing(tmp_path, procs)
+    procs[1].fail(8, FORWARD)
+    for p in procs:
+        p.shutdown()
+    events = g.poll_at(0.5)
+    assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in events] == [("error", 1)]
+    assert not g.live.finished()  # an attempt failed: a restart may come
+    later = [Proc(rank=r, attempt=1, stamp="20240101-000100", t0=procs[0].t0 + 5) for r in (0, 1)]
+    for p in later:
+        _settings(p)
+        p.steps(range(8, 12))
+    g.procs += later
+    g.written.update({id(p): 0 for p in later})
+    events = g.poll_at(0.1)
+    assert [(e["finding"]["kind"], e["finding"]["attempt"]) for e in events] == [("restart", 1)]
+    for p in later:
+        p.shutdown()
+    g.poll_at(0.1)
+    assert g.live.finished()
+
+
+def test_waits_for_a_run_that_has_not_started(tmp_path: Path) -> None:
+    live = LiveRun(tmp_path / "not-yet", probe=FakeHost(), clock=lambda: 0.0)  # type: ignore[arg-type]
+    assert live.poll() == [] and not live.finished() and live.rows() == []
