@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.analysis.findings import CRASH, HANG, RESTART, findings
-from otel_train.analysis.records import AnyRecord, BadLines, Head, ProcessFiles, SpanEnd, Warn, peek, read_tail
+from otel_train.analysis.records import AnyRecord, BadLines, Head, ProcessFiles, SpanEnd, Warn, read_tail
 from otel_train.analysis.spans import ProcessState, Run, process_order
 from otel_train.analysis.summary import process_row, unclosed_rows
 
@@ -60,7 +60,7 @@ def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines)
     for line in warnings:
         bad.warn(line)
     state.malformed = window_bad.count
-    state.first_step = _first_step(pf)
+    state.first_step = meta.step if meta is not None else None  # restarts report where they began
     return state
 
 
@@ -76,8 +76,3 @@ def _complete(state: ProcessState, records: list[AnyRecord]) -> bool:
         if parent is not None and parent not in opened and parent not in ended:
             return False  # its parent began before the window and is still open
     return True
-
-
-def _first_step(pf: ProcessFiles) -> int | None:
-    """The first step a process recorded (from its head: restarts report where they started)."""
-    return next((r.step for r in peek(pf, limit=512) if r.step is not None), None)

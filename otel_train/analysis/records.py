@@ -246,6 +246,7 @@ class Head(msgspec.Struct, gc=False):
     world_size: _Step | None = None
     run_id: str | None = None
     job_id: str | None = None
+    step: _Step | None = None  # the first step the process recorded
 
 
 class BadLines:
@@ -375,10 +376,10 @@ def peek(pf: ProcessFiles, type_: Any = RECORD_TYPES, limit: int = 64) -> list[A
 
 
 def head(pf: ProcessFiles) -> Head | None:
-    """Identity fields of a process (host, pid, attempt, ...): each field's first non-null value among
-    its first readable lines; None when none is readable."""
+    """Identity fields of a process (host, pid, attempt, first step, ...): each field's first non-null
+    value among its first readable lines (up to 256, within 64 KiB); None when none is readable."""
     found: dict[str, Any] = {}
-    for rec in peek(pf, Head):
+    for rec in peek(pf, Head, limit=256):
         for name in rec.__struct_fields__:
             value = getattr(rec, name)
             if value is not None and name not in found:
