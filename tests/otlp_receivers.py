@@ -5,7 +5,9 @@
 
     {"name", "trace_id", "span_id", "parent_span_id" (hex or None), "start_time_unix_nano",
      "end_time_unix_nano", "attributes" (dict), "resource" (dict), "status_code" (int: 0 unset,
-     1 ok, 2 error)}
+     1 ok, 2 error), "status_message", "events" ([{"name", "time_unix_nano", "attributes"}])}
+
+Both take ``tls=(key, cert)`` (files; ``self_signed_cert(dir)`` makes them) to serve ``https://`` only.
 
 ``BlackHoleServer`` accepts TCP connections and never answers (a collector that hangs);
 ``refused_endpoint()`` names a loopback port nobody listens on. All bind 127.0.0.1 only. Usage::
@@ -20,9 +22,13 @@ from __future__ import annotations
 
 import gzip
 import selectors
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import zlib
+from pathlib import Path
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Iterable
@@ -69,6 +75,9 @@ def flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[dict[s
                         "attributes": _attributes(span.attributes),
                         "resource": resource,
                         "status_code": span.status.code,
+                        "status_message": span.status.message,
+                        "events": [{"name": e.name, "time_unix_nano": e.time_unix_nano,
+                                    "attributes": _attributes(e.attributes)} for e in span.events],
                     }
                 )
     return out
@@ -132,14 +141,19 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
 
 
 class GrpcOtlpReceiver(_Receiver):
-    """An OTLP/gRPC trace receiver on ``127.0.0.1:<free port>``; ``endpoint`` is ``http://127.0.0.1:PORT``."""
+    """An OTLP/gRPC trace receiver on ``127.0.0.1:<free port>``; ``endpoint`` is ``http://127.0.0.1:PORT``
+    (``https://`` with ``tls``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[Path, Path] | None = None) -> None:
         super().__init__()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self._server)
-        port = self._server.add_insecure_port(f"{LOOPBACK}:0")
-        self.endpoint = f"http://{LOOPBACK}:{port}"
+        if tls is None:
+            port = self._server.add_insecure_port(f"{LOOPBACK}:0")
+        else:
+            key, cert = (p.read_bytes() for p in tls)
+            port = self._server.add_secure_port(f"{LOOPBACK}:0", grpc.ssl_server_credentials([(key, cert)]))
+        self.endpoint = f"{'https' if tls else 'http'}://{LOOPBACK}:{port}"
 
     def start(self) -> GrpcOtlpReceiver:
         self._server.start()
@@ -192,11 +206,15 @@ class HttpOtlpReceiver(_Receiver):
     ``traces_url`` is the full URL for ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[Path, Path] | None = None) -> None:
         super().__init__()
         self._server = _HttpServer((LOOPBACK, 0), _HttpHandler)
         self._server.receiver = self
-        self.endpoint = f"http://{LOOPBACK}:{self._server.server_address[1]}"
+        if tls is not None:
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(certfile=tls[1], keyfile=tls[0])
+            self._server.socket = context.wrap_socket(self._server.socket, server_side=True)
+        self.endpoint = f"{'https' if tls else 'http'}://{LOOPBACK}:{self._server.server_address[1]}"
         self.traces_url = self.endpoint + TRACES_PATH
         self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-http-receiver", daemon=True)
 
@@ -259,6 +277,18 @@ class BlackHoleServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path] | None:
+    """``(key.pem, cert.pem)``: a self-signed certificate for localhost and 127.0.0.1 (None without openssl)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        return None
+    key, cert = directory / "key.pem", directory / "cert.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return key, cert
 
 
 def refused_endpoint() -> str:
