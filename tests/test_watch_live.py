@@ -114,11 +114,12 @@ class Growing:
         return self.live.poll()
 
 
-def _settings(proc: Proc, stall_min_s: float = 2.0, heartbeat_s: float = 1.0) -> None:
+def _settings(proc: Proc, stall_min_s: float = 2.0, heartbeat_s: float = 1.0, max_restarts: int = 1) -> None:
     proc.lines.clear()
     proc._seq = 0
-    proc.instant(schema.INSTANT_PROCESS_START, settings={"watchdog": True, "heartbeat_s": heartbeat_s,
-                                                         "stall_min_s": stall_min_s, "stall_factor": 5.0})
+    env = {"TORCHELASTIC_MAX_RESTARTS": str(max_restarts), "TORCHELASTIC_RESTART_COUNT": str(proc.attempt)}
+    proc.instant(schema.INSTANT_PROCESS_START, env=env, settings={
+        "watchdog": True, "heartbeat_s": heartbeat_s, "stall_min_s": stall_min_s, "stall_factor": 5.0})
 
 
 def _pair(n: int = 2, host: str = "node0") -> list[Proc]:
@@ -136,11 +137,14 @@ def test_live_hang_after_the_threshold_names_the_culprit_then_resolves(tmp_path:
     procs[1].stop_inside(8, [FORWARD])
     procs[0].stop_inside(8, [BACKWARD])
     assert g.poll_at(1.0) == []  # below stall_min_s: nothing yet
-    events = g.poll_at(2.5)  # past max(2 s, 5 × p99 step ≈ 0.4 s) and forward's own threshold
+    since = procs[1].t0 + (procs[1].now_ms - 1) / 1000
+    procs[1].advance(2100)
+    _stall(procs[1], FORWARD, 2.1)  # its watchdog: past max(2 s, 5 × p99 forward) = 2 s
+    events = g.poll_at(0.3)  # and the group closed no span for max(2 s, 5 × p99 step ≈ 0.4 s)
     assert [(e["type"], e["finding"]["kind"], e["finding"]["rank"], e["finding"]["phase"]) for e in events] == [
         ("finding", "hang", 1, FORWARD)]
     f = events[0]["finding"]
-    assert f["victims"] == [0] and f["since"] == pytest.approx(procs[1].t0 + (procs[1].now_ms - 1) / 1000)
+    assert f["victims"] == [0] and f["since"] == pytest.approx(since) and "stacks" not in f
     assert g.poll_at(5.0) == []  # raised once
     procs[1].advance(10)
     procs[1].end()  # forward returns after all
@@ -160,8 +164,12 @@ def test_legitimately_slow_checkpoint_is_no_hang(tmp_path: Path) -> None:
             p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step", CHECKPOINT]}])
     assert g.poll_at(0.0) == []
     assert [lp.status(g.now) for lp in g.live.procs.values()] == ["running", "running"]
-    # Past the checkpoint's own threshold it is a hang after all: both ranks alike, no culprit to name.
-    assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in g.poll_at(2.5)] == [("hang", None)]
+    # Past the checkpoint's own threshold (their watchdogs say so) it is a hang after all: both ranks
+    # alike, no culprit to name.
+    for p in procs:
+        p.advance(2100)
+        _stall(p, CHECKPOINT, 10.1)
+    assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in g.poll_at(0.1)] == [("hang", None)]
 
 
 def test_process_gone_from_this_host_is_a_crash_at_once(tmp_path: Path) -> None:
@@ -197,7 +205,7 @@ def test_new_attempt_is_a_restart_and_watch_waits_for_it(tmp_path: Path) -> None
         p.shutdown()
     events = g.poll_at(0.5)
     assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in events] == [("error", 1)]
-    assert not g.live.finished()  # an attempt failed: a restart may come
+    assert not g.live.finished()  # an attempt failed and torchrun may restart it: wait for the next one
     later = [Proc(rank=r, attempt=1, stamp="20240101-000100", t0=procs[0].t0 + 5) for r in (0, 1)]
     for p in later:
         _settings(p)
@@ -215,3 +223,56 @@ def test_new_attempt_is_a_restart_and_watch_waits_for_it(tmp_path: Path) -> None
 def test_waits_for_a_run_that_has_not_started(tmp_path: Path) -> None:
     live = LiveRun(tmp_path / "not-yet", probe=FakeHost(), clock=lambda: 0.0)  # type: ignore[arg-type]
     assert live.poll() == [] and not live.finished() and live.rows() == []
+
+
+def test_stacks_come_from_the_stall_record_when_asked(tmp_path: Path) -> None:
+    procs = _pair()
+    g = Growing(tmp_path, procs, stacks=True)
+    procs[1].stop_inside(8, [FORWARD])
+    procs[0].stop_inside(8, [BACKWARD])
+    procs[1].advance(2100)
+    _stall(procs[1], FORWARD, 2.1)
+    (event,) = g.poll_at(0.3)
+    assert [s["tid"] for s in event["finding"]["stacks"]] == [1, 7]
+
+
+def test_a_late_watchdog_gets_a_grace_then_the_same_rule_decides(tmp_path: Path) -> None:
+    procs = _pair()
+    g = Growing(tmp_path, procs)
+    procs[1].stop_inside(8, [FORWARD])
+    procs[0].stop_inside(8, [BACKWARD])
+    for _ in range(3):  # heartbeats, but no stall record
+        for p in procs:
+            p.advance(1000)
+            p.instant(schema.INSTANT_HEARTBEAT, open=[])
+    assert g.poll_at(0.0) == []  # 3 s: past the 2 s threshold, within the 2 s grace
+    for p in procs:
+        p.advance(1500)
+        p.instant(schema.INSTANT_HEARTBEAT, open=[])
+    assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in g.poll_at(0.1)] == [("hang", 1)]
+
+
+def test_silent_process_on_this_host_is_judged_without_waiting_for_its_watchdog(tmp_path: Path) -> None:
+    procs = _pair()
+    g = Growing(tmp_path, procs)
+    procs[1].stop_inside(8, [FORWARD])  # holds the GIL: no heartbeat, no stall record
+    procs[0].stop_inside(8, [BACKWARD])
+    for _ in range(3):
+        procs[0].advance(1000)
+        procs[0].instant(schema.INSTANT_HEARTBEAT, open=[])
+    events = g.poll_at(0.1)
+    assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in events] == [("hang", 1)]
+    assert g.live.rows(g.now)[1]["state"] == "silent"
+
+
+def test_no_restart_expected_means_the_end_comes_at_once(tmp_path: Path) -> None:
+    procs = [Proc(rank=r) for r in (0, 1)]
+    for p in procs:
+        _settings(p, max_restarts=0)
+        p.steps(range(3))
+    procs[1].fail(3, FORWARD)
+    for p in procs:
+        p.shutdown()
+    g = Growing(tmp_path, procs)
+    assert [e["finding"]["kind"] for e in g.poll_at(0.1)] == ["error"]
+    assert g.live.finished()

@@ -50,8 +50,11 @@ EVALUATE_EVERY_S = 10.0
 """Findings are asked for at least this often (stragglers change without any single event)."""
 DEAD_AFTER_HEARTBEATS = 3
 """A process that wrote nothing for this many heartbeat periods is dead (or, on this host and alive, silent)."""
-RESTART_GRACE_S = 30.0
-"""After every process ended, how long to wait for a new attempt unless all of them ended cleanly."""
+RESTART_GRACE_S = 60.0
+"""After every process ended with a failure, how long to wait for the launcher's next attempt when it
+said one may come (torchrun's ``TORCHELASTIC_MAX_RESTARTS`` above ``TORCHELASTIC_RESTART_COUNT``)."""
+STALL_RECORD_GRACE_S = 2.0
+"""How long past a span's threshold to wait for its watchdog's ``stall`` record (it looks every second)."""
 PY_SPY_TIMEOUT_S = 10.0
 
 _OK_END = (schema.STATUS_OK, None)
@@ -149,11 +152,12 @@ def _spy_stack(thread: dict[str, Any]) -> dict[str, Any]:
 class LiveProcess:
     """One process instance being followed: its span-model state and what only a live reader knows."""
 
-    __slots__ = ("state", "thresholds", "progress_ts", "local", "dead", "silent", "gone_at")
+    __slots__ = ("state", "thresholds", "restarts_left", "progress_ts", "local", "dead", "silent", "gone_at")
 
     def __init__(self, state: ProcessState, local: bool) -> None:
         self.state = state
         self.thresholds = DEFAULT_THRESHOLDS
+        self.restarts_left = 0  # attempts the launcher may still start after this one
         self.progress_ts: float | None = None  # the last span that closed ok (writer's clock)
         self.local = local
         self.dead = False
@@ -175,11 +179,18 @@ class LiveProcess:
             self.progress_ts = max(self.progress_ts or 0.0, max(ends))
         for r in records:
             if type(r) is Instant and r.name == schema.INSTANT_PROCESS_START:
-                self.thresholds = Thresholds.of((r.attrs or {}).get("settings"))
+                attrs = r.attrs or {}
+                self.thresholds = Thresholds.of(attrs.get("settings"))
+                self.restarts_left = _restarts_left(attrs.get("env"))
         return len(state.errors) != errors or state.ended_cleanly != ended
 
     def stalled(self, now: float) -> bool:
-        """Whether its innermost open span is past that name's stall threshold in this process."""
+        """Whether its innermost open span is past that name's stall threshold in this process.
+
+        A process whose watchdog still writes has the say (its ``stall`` record carries the stacks);
+        the same rule computed here decides for one that is silent or runs without a watchdog, and
+        for a watchdog that is late by more than :data:`STALL_RECORD_GRACE_S`.
+        """
         inner = self.state.innermost
         if inner is None or inner.status != STATUS_OPEN:
             return False
@@ -188,10 +199,11 @@ class LiveProcess:
         if open_s < th.stall_min_s:
             return False
         if inner.span_id in self.state.stalls:
-            return True  # the watchdog, which sees the process's own clock, said so
+            return True
         series = self.state.phases.get(inner.name)
         count, p99 = _p99_s(series.durs if series is not None else ())
-        return open_s >= stall_threshold(count, p99, th.stall_min_s, th.stall_factor)
+        grace = STALL_RECORD_GRACE_S if th.watchdog and not self.silent else 0.0
+        return open_s >= stall_threshold(count, p99, th.stall_min_s, th.stall_factor) + grace
 
     def open_for(self, now: float) -> float | None:
         """Seconds its innermost open span has been open."""
@@ -207,6 +219,16 @@ class LiveProcess:
         if self.silent:
             return "silent"
         return "stalled" if self.stalled(now) else "running"
+
+
+def _restarts_left(env: Any) -> int:
+    """Restarts torchrun may still make after this attempt, from the recorded environment."""
+    if not isinstance(env, Mapping):
+        return 0
+    try:
+        return max(0, int(env.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(env.get("TORCHELASTIC_RESTART_COUNT", 0)))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _p99_s(durs_ms: Iterable[float]) -> tuple[int, float | None]:
@@ -388,16 +410,18 @@ class LiveRun:
     # -- the end -------------------------------------------------------------------------------
 
     def finished(self, now: float | None = None) -> bool:
-        """Every process ended or died, and no new attempt is expected: at once when all ended cleanly
-        without a hang, crash or error finding, else after :data:`RESTART_GRACE_S`."""
+        """Every process ended or died, and no new attempt is expected: at once, unless the latest
+        attempt failed and its launcher may restart it (then up to :data:`RESTART_GRACE_S`)."""
         if not self.procs or any(not lp.finished for lp in self.procs.values()):
             return False
         now = self.clock() if now is None else now
-        last = max(lp.gone_at or now for lp in self.procs.values())
         latest = max(lp.state.attempt for lp in self.procs.values())
+        last = [lp for lp in self.procs.values() if lp.state.attempt == latest]
+        if not any(lp.restarts_left for lp in last):
+            return True
         failed = any(f["kind"] in (HANG, CRASH, ERROR) and f["attempt"] == latest for f in self.raised)
-        clean = all(lp.state.ended_cleanly for lp in self.procs.values()) and not failed
-        return clean or now - last >= RESTART_GRACE_S
+        clean = all(lp.state.ended_cleanly for lp in last) and not failed
+        return clean or now - max(lp.gone_at or now for lp in last) >= RESTART_GRACE_S
 
     def rows(self, now: float | None = None) -> list[dict[str, Any]]:
         """One row per process for a live table: rank, attempt, step, open spans, open for, state."""
