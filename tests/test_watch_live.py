@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from analysis_fixtures import Proc, write_run
+from typer.testing import CliRunner
 
 from otel_train import schema
 from otel_train.analysis.findings import findings
@@ -14,6 +15,7 @@ from otel_train.analysis.live import LiveRun
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.stacks import describe_stack, user_frames
 from otel_train.analysis.summary import summarize
+from otel_train.cli import app
 from otel_train.phases import BACKWARD, CHECKPOINT, FORWARD
 
 STACK = ["/usr/lib/python3.11/threading.py:1002:_bootstrap", "/home/u/train.py:88:main",
@@ -48,6 +50,15 @@ def test_hang_finding_names_victims_and_carries_the_stalled_threads_stack_first(
     mine, inner = user_frames(hang["stacks"][0]["frames"])
     assert mine == STACK[1:3] and inner == STACK[3]
     assert describe_stack(hang["stacks"][0]) == "MainThread: u/train.py:88:main > u/train.py:40:forward_pass (in re/__init__.py:166:match)"
+
+
+def test_summarize_text_shows_the_stalled_threads_own_frames(tmp_path: Path) -> None:
+    write_run(tmp_path, _hung_pair())
+    done = CliRunner().invoke(app, ["summarize", str(tmp_path)])
+    assert done.exit_code == 0
+    text = " ".join(done.output.split())  # the console wraps long lines
+    assert ("rank 1 stalled in MainThread: u/train.py:88:main > u/train.py:40:forward_pass "
+            "(in re/__init__.py:166:match)") in text
 
 
 def test_no_stacks_key_without_stall_records(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from otel_train.analysis.fast import summarize_fast
+from otel_train.analysis.stacks import describe_stack
 from otel_train.analysis.summary import summarize_run
 from otel_train.cli._app import app
 from otel_train.cli._common import cli_errors, fmt_ms, load, print_json, warn
@@ -50,6 +51,9 @@ def _render(summary: dict[str, Any], out: Console) -> None:
         for f in findings:
             table.add_row(f["kind"], _s(f["rank"]), _s(f["step"]), _s(f["phase"]), f["message"])
         out.print(table)
+        for f in findings:
+            if f.get("stacks"):  # the stalled thread of a hang or crash culprit, from its stall records
+                out.print(f"rank {f['rank']} stalled in {describe_stack(f['stacks'][0])}", markup=False)
     else:
         out.print("Findings: none")
 
