@@ -126,6 +126,7 @@ def test_refused_and_black_holed_endpoints_fail_in_one_line(tmp_path: Path, prot
             message = str(info.value)
             assert time.monotonic() - t0 < 5  # the SDK's retries stop at --timeout
             assert message.startswith(f"cannot push to {endpoint}") and "\n" not in message
+            assert ": Failed to export" in message  # the SDK exporter's reason, each time
             assert SECRET not in message
 
 

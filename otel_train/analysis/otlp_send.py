@@ -61,14 +61,23 @@ def sdk_log(name: str = _SDK_LOGGER) -> Iterator[list[logging.LogRecord]]:
             records.append(record)
 
     logger, handler = logging.getLogger(name), Keep(logging.WARNING)
+    # The SDK's exporter loggers drop a message equal to the one before (a DuplicateFilter): a second
+    # failing push in this process would lose its reason. Everything is collected here, so lift them.
+    filtered = [lg for key, lg in logging.Logger.manager.loggerDict.items()
+                if isinstance(lg, logging.Logger) and lg.filters and (key + ".").startswith(name + ".")]
+    saved = [(lg, lg.filters) for lg in filtered]
     propagate = logger.propagate
     logger.addHandler(handler)
     logger.propagate = False
+    for lg in filtered:
+        lg.filters = []
     try:
         yield records
     finally:
         logger.removeHandler(handler)
         logger.propagate = propagate
+        for lg, filters in saved:
+            lg.filters = filters
 
 
 def parse_headers(values: Iterable[str], what: str = "--header") -> dict[str, str]:
