@@ -139,11 +139,13 @@ def test_push_replays_a_run_into_phoenix_once(phoenix: PhoenixServer, tmp_path: 
     _train(phoenix, tmp_path, "phx-push", "jsonl", "unused")
     expected = _expected(tmp_path)
     env = {**os.environ, "OTEL_RESOURCE_ATTRIBUTES": "openinference.project.name=pushed"}
-    http = phoenix.run([OTEL_TRAIN, "push", str(tmp_path), "--endpoint", HTTP_ENDPOINT,
+    with_password = HTTP_ENDPOINT.replace("://", "://trainer:pw-not-printed@")  # sent as Basic auth
+    http = phoenix.run([OTEL_TRAIN, "push", str(tmp_path), "--endpoint", with_password,
                         "--protocol", "http/protobuf", "--header", "x-test-token=not-printed"], env=env)
     assert http.returncode == 0, http.stderr
     assert f"pushed {len(expected)} spans (0 incomplete) from {WORLD} processes" in http.stdout
     assert "not-printed" not in http.stdout + http.stderr
+    assert f"to {HTTP_ENDPOINT}/v1/traces" in http.stdout
     stored = _wait_spans(phoenix, "pushed", len(expected))
     _check(stored, expected, time_tolerance_s=1e-6)  # replayed times are the records' own
     assert phoenix.spans("unused") == []  # jsonl only: nothing left the training processes
