@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,22 @@ def test_no_processes_is_an_empty_request(tmp_path: Path) -> None:
     buf = io.BytesIO()
     assert otlp_json.write([], buf) == otlp_json.Counts(0, 0, 0, 0)
     assert json.loads(buf.getvalue()) == {"resourceSpans": []}
+
+
+def test_export_cli_writes_otlp_json(tmp_path: Path) -> None:
+    """``otel-train export --format otlp-json``: the default output next to the run, filters, one-line errors."""
+    cli = str(Path(sys.executable).parent / "otel-train")
+    run, procs = _run(tmp_path)
+    whole = subprocess.run([cli, "export", str(run), "--format", "otlp-json"], capture_output=True, text=True,
+                           timeout=120)
+    assert whole.returncode == 0, whole.stderr
+    data = json.loads((run / "analysis" / "structured_trace.otlp.json").read_text())
+    assert {s["spanId"] for s in _spans(data)} == set(_records(procs))
+    out = tmp_path / "one.otlp.json"
+    some = subprocess.run([cli, "export", str(run), "-f", "otlp-json", "-o", str(out), "--ranks", "1", "--steps", "2-3"],
+                          capture_output=True, text=True, timeout=120)
+    assert some.returncode == 0, some.stderr
+    assert {_attr(s, schema.ATTR_STEP) for s in _spans(json.loads(out.read_text()))} == {"2", "3"}
+    empty = subprocess.run([cli, "export", str(tmp_path / "nothing"), "-f", "otlp-json"], capture_output=True,
+                           text=True, timeout=120)
+    assert empty.returncode == 2 and empty.stderr.startswith("error: ") and len(empty.stderr.splitlines()) == 1
