@@ -928,7 +928,7 @@ def test_sampling_check_catches(case: str) -> None:
 def test_wiring_checks_catch_missing_services_and_ports() -> None:
     compose = _scale_compose()
     del compose["services"]["gateway-1"]
-    compose["services"]["distributor"]["expose"] = []
+    compose["services"]["distributor"]["expose"] = compose["services"]["distributor"]["ports"] = []
     problems = compose_wiring_problems(compose)
     assert any("sends to gateway-1, not a service" in p for p in problems), problems
     assert any("sends to distributor:4317, which distributor does not expose" in p for p in problems), problems
