@@ -167,3 +167,47 @@ def test_golden_multi_process_hang_and_straggler_with_real_collectives(tmp_path:
     # Rank 0 was blocked in backward's all-reduce: gloo failed it when rank 1 went away (a victim's
     # error after the culprit stopped, so no finding), or it sat there until SIGKILL.
     assert by_rank[0]["final_step"] == 5 and by_rank[0]["open_spans"] in ([], ["step", BACKWARD])
+
+
+def test_binomial_tail_matches_exact_sums() -> None:
+    import math
+    from fractions import Fraction
+
+    from otel_train.analysis.stats import binom_sf, sign_test
+
+    for n, k, p in ((20, 15, 0.5), (10, 3, 0.1), (57, 40, 0.5), (1, 1, 0.5), (300, 170, 0.5)):
+        q = Fraction(p).limit_denominator(1000)
+        exact = sum(Fraction(math.comb(n, i)) * q**i * (1 - q) ** (n - i) for i in range(k, n + 1))
+        assert binom_sf(k, n, p) == pytest.approx(float(exact), rel=1e-9)
+    assert sign_test(10, 10) == pytest.approx(1 / 1024)  # ten slow steps out of ten
+    assert binom_sf(0, 5) == 1.0 and binom_sf(6, 5) == 0.0
+    assert 0.0 < binom_sf(3000, 4000) < 1e-200  # no underflow to a wrong 0 before it is tiny
+
+
+def test_mann_whitney_matches_known_values_and_exhaustive_permutations() -> None:
+    import itertools
+
+    from otel_train.analysis.stats import mann_whitney
+
+    # scipy's documented example (mannwhitneyu(..., method="asymptotic")): U = 17, p = 0.11134688653314041.
+    males, females = np.array([19.0, 22, 16, 29, 24]), np.array([20.0, 11, 17, 12])
+    u, p = mann_whitney(females, males)
+    assert u == 17.0 and p == pytest.approx(0.11134688653314041, rel=1e-9)
+    # Larger samples: the normal approximation is close to the exact permutation p-value.
+    rng = np.random.default_rng(3)
+    a, b = rng.lognormal(0.0, 0.6, 8), rng.lognormal(0.5, 0.6, 8)
+    both = np.concatenate([a, b])
+    observed = abs(np.median(b) - np.median(a))
+    u_obs, p_approx = mann_whitney(a, b)
+    center = 8 * 8 / 2
+    extreme = total = 0
+    for idx in itertools.combinations(range(16), 8):
+        mask = np.zeros(16, bool)
+        mask[list(idx)] = True
+        u_perm, _ = mann_whitney(both[~mask], both[mask])
+        extreme += abs(u_perm - center) >= abs(u_obs - center)
+        total += 1
+    assert observed > 0 and p_approx == pytest.approx(extreme / total, abs=0.01)
+    # Ties get average ranks; all tied means no evidence at all.
+    assert mann_whitney(np.ones(5), np.ones(7))[1] == 1.0
+    assert np.isnan(mann_whitney(np.empty(0), np.ones(3))[1])

@@ -207,3 +207,65 @@ def compute_stats(run: Run) -> dict[str, Any]:
 def stats(path: str | Path, **load_kwargs: Any) -> dict[str, Any]:
     """``compute_stats(load_run(path, **load_kwargs))``; raises TraceReadError for a path without traces."""
     return compute_stats(load_run(path, **load_kwargs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Significance tests (exact binomial tail, Mann–Whitney U): small and numpy-only, checked in
+# tests/test_stats.py against values computed by hand and by exhaustive enumeration.
+
+
+def binom_sf(k: int, n: int, p: float = 0.5) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), summed exactly in log space (1.0 for k <= 0, 0.0 for k > n)."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    if p <= 0.0 or p >= 1.0:
+        return float(p >= 1.0)
+    # log pmf(k), then pmf(i + 1) / pmf(i) = (n - i) / (i + 1) * p / (1 - p), accumulated.
+    first = (math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+             + k * math.log(p) + (n - k) * math.log1p(-p))
+    i = np.arange(k, n, dtype=float)
+    steps = np.log((n - i) / (i + 1)) + math.log(p) - math.log1p(-p)
+    log_pmf = first + np.concatenate([[0.0], np.cumsum(steps)])
+    top = float(log_pmf.max())
+    return float(min(1.0, math.exp(top) * np.exp(log_pmf - top).sum()))
+
+
+def sign_test(greater: int, n: int) -> float:
+    """One-sided sign test: the chance of ``greater`` or more of ``n`` coin flips landing heads."""
+    return binom_sf(greater, n, 0.5)
+
+
+def normal_sf(z: float) -> float:
+    """P(Z > z) for a standard normal Z."""
+    return 0.5 * math.erfc(z / math.sqrt(2.0))
+
+
+def mann_whitney(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    """Mann–Whitney U test of ``b`` against ``a``: (U of ``b``, two-sided p).
+
+    Normal approximation with the tie correction and a continuity correction (scipy's
+    ``method="asymptotic"``); it holds for skewed durations since only ranks count. p is NaN when
+    either sample is empty, 1.0 when every value is tied.
+    """
+    n1, n2 = a.size, b.size
+    if n1 == 0 or n2 == 0:
+        return math.nan, math.nan
+    both = np.concatenate([a, b])
+    order = np.argsort(both, kind="mergesort")
+    ordered = both[order]
+    # Average ranks of tied runs: each run [start, end) gets (start + end + 1) / 2.
+    edges = np.flatnonzero(np.diff(ordered)) + 1
+    starts = np.concatenate([[0], edges])
+    ends = np.concatenate([edges, [ordered.size]])
+    ranks = np.empty(both.size)
+    ranks[order] = np.repeat((starts + ends + 1) / 2.0, ends - starts)
+    u = float(ranks[n1:].sum() - n2 * (n2 + 1) / 2.0)
+    ties = (ends - starts).astype(float)
+    n = float(n1 + n2)
+    var = n1 * n2 / 12.0 * ((n + 1) - float((ties**3 - ties).sum()) / (n * (n - 1)))
+    if var <= 0:
+        return u, 1.0
+    z = (abs(u - n1 * n2 / 2.0) - 0.5) / math.sqrt(var)
+    return u, min(1.0, 2.0 * normal_sf(max(z, 0.0)))

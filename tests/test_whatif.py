@@ -1,0 +1,164 @@
+"""What-if arithmetic on synthetic synchronised runs with exactly known timings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from analysis_fixtures import Proc, write_run
+
+from otel_train.analysis.spans import load_run
+from otel_train.analysis.whatif import UNTRACED, whatif
+from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER, STEP
+
+Times = Callable[[int, int], dict[str, float]]
+
+
+def simulate(procs: list[Proc], steps: int, times: Times) -> None:
+    """Data-parallel steps: data_fetch, forward, then backward ends for everyone ``tail`` ms after the
+    last rank arrives, then optimizer. ``times(rank, step)`` gives each rank's ms per phase and tail."""
+    for s in range(steps):
+        t = {p.rank: times(p.rank, s) for p in procs}
+        for p in procs:
+            p.set_step(s)
+            p.start(STEP)
+            for name in (DATA_FETCH, FORWARD):
+                p.start(name)
+                p.advance(t[p.rank][name])
+                p.end()
+            p.start(BACKWARD)
+        last = max(p.now_ms for p in procs)
+        for p in procs:
+            p.now_ms = last + t[p.rank]["tail"]
+            p.end()
+            p.start(OPTIMIZER)
+            p.advance(t[p.rank][OPTIMIZER])
+            p.end()
+            p.end()
+    for p in procs:
+        p.shutdown()
+
+
+def base(rank: int, step: int) -> dict[str, float]:
+    return {DATA_FETCH: 5.0, FORWARD: 20.0, "tail": 30.0, OPTIMIZER: 5.0}
+
+
+def run_of(tmp_path: Path, times: Times, world: int = 4, steps: int = 21, **proc: object) -> dict:
+    procs = [Proc(rank=r, world_size=world, **proc) for r in range(world)]  # type: ignore[arg-type]
+    simulate(procs, steps, times)
+    write_run(tmp_path, procs)
+    return whatif(load_run(tmp_path, warn=pytest.fail))
+
+
+def by(rows: list[dict], key: str) -> dict:
+    return {r[key]: r["slowdown"] for r in rows}
+
+
+def test_a_slow_rank_costs_exactly_its_excess(tmp_path: Path) -> None:
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        if rank == 3:
+            t[DATA_FETCH] = 15.0
+        return t
+
+    out = run_of(tmp_path, times)
+    assert out["steps"] == 20
+    assert out["step_ms"]["actual"] == pytest.approx(70.0, abs=1e-3)  # 30 tail + 5 + 15 + 20
+    assert out["step_ms"]["measured"] == pytest.approx(70.0, abs=1e-3)
+    assert out["step_ms"]["ideal"] == pytest.approx(60.0, abs=1e-3)
+    assert out["slowdown"] == pytest.approx(70 / 60, rel=1e-4)
+    ranks = by(out["by_rank"], "rank")
+    assert ranks[3] == pytest.approx(70 / 60, rel=1e-4) and out["by_rank"][0]["rank"] == 3
+    assert all(ranks[r] == pytest.approx(1.0, abs=1e-4) for r in (0, 1, 2))
+    phases = by(out["by_phase"], "phase")
+    assert phases[DATA_FETCH] == pytest.approx(70 / 60, rel=1e-4)
+    assert phases[FORWARD] == phases[OPTIMIZER] == phases[BACKWARD] == pytest.approx(1.0, abs=1e-4)
+    top = out["by_rank_phase"][0]
+    assert (top["rank"], top["phase"]) == (3, DATA_FETCH)
+    assert top["cost_ms"] == pytest.approx(10.0, abs=1e-3) and top["cost_pct"] == pytest.approx(100 / 7, rel=1e-4)
+    assert next(p for p in out["by_phase"] if p["phase"] == BACKWARD)["collective"] is True
+
+
+def test_step_time_is_the_slowest_rank_not_a_sum(tmp_path: Path) -> None:
+    # Rank 3 is 10 ms late every step; rank 1 is 8 ms late on even steps only: it hides behind rank 3.
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        if rank == 3:
+            t[DATA_FETCH] = 15.0
+        if rank == 1 and step % 2 == 0:
+            t[FORWARD] = 28.0
+        return t
+
+    out = run_of(tmp_path, times)
+    ranks, phases = by(out["by_rank"], "rank"), by(out["by_phase"], "phase")
+    assert out["step_ms"]["actual"] == pytest.approx(70.0, abs=1e-3)
+    assert ranks[1] == pytest.approx(1.0, abs=1e-4)  # making rank 1 typical alone gains nothing
+    # Rank 3 typical: rank 1's even steps (68 ms) now set the pace, odd steps take 60 ms.
+    assert ranks[3] == pytest.approx(70 / 64, rel=1e-3)
+    assert phases[DATA_FETCH] == pytest.approx(70 / 64, rel=1e-3)
+    assert phases[FORWARD] == pytest.approx(1.0, abs=1e-4)  # the median over four ranks is 20 ms
+    assert out["step_ms"]["ideal"] == pytest.approx(60.0, abs=1e-3)
+
+
+def test_tails_and_clock_skew_between_hosts(tmp_path: Path) -> None:
+    # Two hosts of three ranks whose clocks differ by 250 ms: the collective ends line the hosts up
+    # again. Rank 2 leaves every all-reduce 4 ms after the others (its tail): its own cost, in backward.
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        t["tail"] = 34.0 if rank == 2 else 30.0
+        return t
+
+    procs = [Proc(rank=r, world_size=6, host=f"node{r // 3}", t0=1_700_000_000.0 + 0.25 * (r // 3))
+             for r in range(6)]
+    simulate(procs, 21, times)
+    write_run(tmp_path, procs)
+    out = whatif(load_run(tmp_path, warn=pytest.fail))
+    assert out["step_ms"]["actual"] == pytest.approx(64.0, abs=1e-3)  # 34 + 5 + 20 + 5
+    ranks = by(out["by_rank"], "rank")
+    assert ranks[2] == pytest.approx(64 / 60, rel=1e-4)
+    assert all(ranks[r] == pytest.approx(1.0, abs=1e-4) for r in (0, 1, 3, 4, 5))
+    assert by(out["by_phase"], "phase")[BACKWARD] == pytest.approx(64 / 60, rel=1e-4)
+
+
+def test_two_ranks_ideal_is_the_faster_rank(tmp_path: Path) -> None:
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        t[DATA_FETCH] = 25.0 if rank == 1 else 5.0 + (step % 3)
+        return t
+
+    out = run_of(tmp_path, times, world=2)
+    clean = 30.0 + 5.0 + 1.0 + 20.0 + 5.0  # the faster rank's mean data_fetch is 6 ms
+    assert out["step_ms"]["actual"] == pytest.approx(80.0, abs=1e-3)
+    assert out["step_ms"]["ideal"] == pytest.approx(clean, abs=0.05)
+    assert by(out["by_rank"], "rank")[1] == pytest.approx(80.0 / clean, rel=1e-3)
+    assert by(out["by_rank"], "rank")[0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_untraced_time_and_windows(tmp_path: Path) -> None:
+    # Rank 0's optimizer takes 6 ms longer from step 10 on.
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        if rank == 0 and step >= 10:
+            t[OPTIMIZER] = 11.0
+        return t
+
+    procs = [Proc(rank=r, world_size=4) for r in range(4)]
+    simulate(procs, 21, times)
+    write_run(tmp_path, procs)
+    run = load_run(tmp_path)
+    late = whatif(run, window=(11, 20))
+    assert late["steps"] == 9 and late["step_ms"]["actual"] == pytest.approx(66.0, abs=1e-3)
+    assert by(late["by_phase"], "phase")[OPTIMIZER] == pytest.approx(66 / 60, rel=1e-4)
+    early = whatif(run, window=(0, 9))
+    assert early["step_ms"]["actual"] == pytest.approx(60.0, abs=1e-3) and early["slowdown"] == pytest.approx(1.0)
+    assert UNTRACED in by(early["by_phase"], "phase")
+
+
+def test_a_single_rank_or_no_collective_has_nothing_to_compare(tmp_path: Path) -> None:
+    (p,) = [Proc(rank=0, world_size=1)]
+    p.steps(range(5))
+    p.shutdown()
+    write_run(tmp_path, [p])
+    out = whatif(load_run(tmp_path))
+    assert out["steps"] == 0 and out["slowdown"] is None and out["by_rank"] == []
