@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 from analysis_fixtures import Proc, write_run
+from sync_sim import base, simulate
 
 from otel_train import schema
+from otel_train.analysis.findings import straggler_findings
+from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize
 from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER
 
@@ -180,6 +183,83 @@ def test_straggler_is_the_slow_rank_not_the_waiting_peers(tmp_path: Path, world:
     values = [(50.0 if r == world - 1 else 5.0) + (s % 3) * 0.2 for r in range(world) for s in range(20)]
     assert data_fetch["p50_ms"] == pytest.approx(statistics.median(values), abs=1e-6)
     assert data_fetch["max_ms"] == pytest.approx(50.4, abs=1e-6)
+
+
+def _synced_run(tmp_path: Path, times, steps: int = 40, world: int = 4) -> list:
+    procs = _ranks(world=world)
+    simulate(procs, steps, times)
+    write_run(tmp_path, procs)
+    return load_run(tmp_path, warn=pytest.fail).processes
+
+
+def test_straggler_finding_has_its_score_p_value_and_cost(tmp_path: Path) -> None:
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        t[DATA_FETCH] = 15.0 + (step % 3) if rank == 2 else 5.0 + (step % 2)
+        return t
+
+    group = _synced_run(tmp_path, times)
+    (f,) = straggler_findings(group)
+    assert (f["kind"], f["rank"], f["phase"], f["slow_steps"], f["steps"]) == ("straggler", 2, DATA_FETCH, 40, 40)
+    assert f["p_value"] == pytest.approx(0.5**40) and f["excess_ms"] >= 9.0 and f["score"] > 2.0
+    # What it costs per step: the step time with rank 2's data_fetch made typical (peers: 5-6 ms).
+    assert 9.0 <= f["cost_ms"] <= 11.0 and f["cost_pct"] == pytest.approx(100 * f["cost_ms"] / 71.0, rel=0.03)
+    assert "costs" in f["message"] and "p=" in f["message"]
+
+
+@pytest.mark.parametrize(
+    ("slow_steps", "extra_ms", "named"),
+    [
+        (range(40), 0.4, False),  # consistent, but below 0.5 ms
+        (range(0, 40, 2), 12.0, False),  # big, but in half the steps: what chance gives
+        (range(0, 40, 4), 12.0, False),
+        (range(33), 12.0, True),  # 33 of 40: p = 6e-6
+        (range(40), 2.0, True),  # 2 ms is 40 % of a 5 ms phase
+    ],
+)
+def test_straggler_needs_significance_and_size(tmp_path: Path, slow_steps: range, extra_ms: float, named: bool) -> None:
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        t[DATA_FETCH] += 0.01 * rank + (extra_ms if rank == 1 and step in slow_steps else 0.0)
+        return t
+
+    found = straggler_findings(_synced_run(tmp_path, times))
+    assert [(f["rank"], f["phase"]) for f in found] == ([(1, DATA_FETCH)] if named else [])
+
+
+def test_straggler_excess_must_be_five_percent_of_the_phase(tmp_path: Path) -> None:
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        t[FORWARD] = 40.0 + (step % 5) * 0.1 + (1.5 if rank == 3 else 0.0)  # +1.5 ms is 3.7 % of 40 ms
+        t[DATA_FETCH] = 5.0 + (3.0 if rank == 0 else 0.0)  # +3 ms on 5 ms
+        return t
+
+    found = straggler_findings(_synced_run(tmp_path, times))
+    assert [(f["rank"], f["phase"]) for f in found] == [(0, DATA_FETCH)]
+
+
+def test_few_slow_steps_after_a_restart_are_not_a_straggler(tmp_path: Path) -> None:
+    # The restart run of the issue: five steps, +0.7 ms on ~1 ms peers. Too few to say anything.
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = {DATA_FETCH: 1.0, FORWARD: 1.0, "tail": 1.0, OPTIMIZER: 1.0}
+        if rank == 1:
+            t[FORWARD] = 1.7
+        return t
+
+    assert straggler_findings(_synced_run(tmp_path, times, steps=6)) == []
+
+
+def test_straggler_window_for_live_watch(tmp_path: Path) -> None:
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        if rank == 3 and step < 20:
+            t[DATA_FETCH] = 15.0
+        return t
+
+    group = _synced_run(tmp_path, times)
+    assert [f["rank"] for f in straggler_findings(group, window=(0, 19))] == [3]
+    assert straggler_findings(group, window=(20, 39)) == []
+    assert straggler_findings(group, window=(15, 24)) == []  # 5 slow steps of 10: not significant
 
 
 def test_no_findings_for_a_healthy_run(tmp_path: Path) -> None:
