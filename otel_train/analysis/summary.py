@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from otel_train.analysis.findings import findings
+from otel_train.analysis.goodput import goodput
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run, load_run
 from otel_train.analysis.stats import durations, quantiles
 
@@ -18,13 +19,15 @@ def summarize(path: str | Path, **load_kwargs: Any) -> dict[str, Any]:
 
 
 def summarize_run(run: Run) -> dict[str, Any]:
-    """The ``summarize --json`` object (docs/cli.md): processes, unclosed, phases, findings, malformed_lines."""
+    """The ``summarize --json`` object (docs/analysis.md): processes, unclosed, phases, findings, goodput,
+    malformed_lines."""
     order = run.phase_order()
     return {
         "processes": [process_row(d) for d in run.processes],
         "unclosed": [row for d in run.processes for row in unclosed_rows(d)],
         "phases": _phase_rows(run, order),
         "findings": findings(run),
+        "goodput": goodput(run),
         "malformed_lines": run.malformed_lines,
     }
 
