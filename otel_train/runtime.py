@@ -45,6 +45,7 @@ from otel_train.handlers import load_handlers
 from otel_train.phases import STEP
 from otel_train.resource import RunContext, build_resource, detect_run_context
 from otel_train.spans import LeanTracer
+from otel_train.watchdog import DurationSketch, Watchdog
 
 TRAINING_ATTR_PREFIX = "training."
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
@@ -166,6 +167,7 @@ def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, A
         _install_process_hooks()
         _shutdown_at_multiprocessing_exit()
         _start_lifecycle(rt)
+        _start_watchdog(rt)
 
 
 def _build(rt: _Runtime) -> None:
@@ -321,6 +323,19 @@ def _start_lifecycle(rt: _Runtime) -> None:
             sampler.close()
 
         rt.undo.append(remove_sampler)
+
+
+def _start_watchdog(rt: _Runtime) -> None:
+    # Heartbeats and stall records (otel_train.watchdog), written through the JSONL sink; stopped
+    # first at shutdown. A fork child has none until it calls init() itself.
+    settings, jsonl = rt.settings, rt.jsonl
+    if not settings.watchdog or jsonl is None:
+        return
+    sketch = DurationSketch()
+    jsonl.on_duration = sketch.add
+    watchdog = Watchdog(jsonl, sketch, heartbeat_s=settings.heartbeat_s, stall_min_s=settings.stall_min_s,
+                        stall_factor=settings.stall_factor)
+    rt.undo.append(watchdog.start().stop)
 
 
 def shutdown(timeout_s: float = 5.0) -> None:

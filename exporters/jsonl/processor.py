@@ -11,12 +11,13 @@ from time import time_ns
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
-from opentelemetry.trace import get_current_span
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, get_current_span
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_train import _report
 from otel_train import context as step_context
+from otel_train.context import StepState
 from otel_train.exporters.jsonl.encoder import INCOMPLETE_ATTR, CallerFinder, RecordEncoder
 
 _decode = msgspec.json.decode
@@ -24,6 +25,8 @@ get_native_id = threading.get_native_id
 current_state = step_context.current
 
 RecordHandler = Callable[[dict], None]
+OpenEntry = tuple[Span, str, StepState, int]
+"""An open span: the span, its encoded body, the step context and native thread id it started with."""
 
 
 class JsonlSpanProcessor(SpanProcessor):
@@ -49,7 +52,9 @@ class JsonlSpanProcessor(SpanProcessor):
         # Reentrant: shutdown may run from a SIGTERM handler that interrupted a write on this thread.
         self._lock = threading.RLock()
         self._seq = 0
-        self._open: dict[int, tuple[Span, str]] = {}
+        self._open: dict[int, OpenEntry] = {}
+        # Set by the watchdog (otel_train.watchdog): told each ended span's name and duration in ns.
+        self.on_duration: Callable[[str, int], None] | None = None
         self._closed = False
 
     @property
@@ -59,8 +64,9 @@ class JsonlSpanProcessor(SpanProcessor):
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         try:
-            body = self._encoder.span_body(span, current_state(), get_native_id())
-            self._open[span._context.span_id] = (span, body)
+            state, tid = current_state(), get_native_id()
+            body = self._encoder.span_body(span, state, tid)
+            self._open[span._context.span_id] = (span, body, state, tid)
             caller = self._caller() if self._caller is not None else ""
             with self._lock:
                 self._seq += 1
@@ -76,6 +82,9 @@ class JsonlSpanProcessor(SpanProcessor):
             with self._lock:
                 self._seq += 1
                 self._write(self._encoder.span_end(span, body, self._seq))
+            on_duration = self.on_duration
+            if on_duration is not None and entry is not None:
+                on_duration(span._name, span._end_time - span._start_time)
         except Exception as exc:
             self._fault("span end", exc)
 
@@ -87,18 +96,40 @@ class JsonlSpanProcessor(SpanProcessor):
         """Write a ``scalar`` record inside the caller's current span and step."""
         self._point("scalar", self._encoder.scalar, values=values)
 
+    def instant_for(self, name: str, attrs: Mapping[str, Any], span_id: int | None = None) -> None:
+        """Write an instant on the runtime's own behalf (no caller; the watchdog's records): inside the
+        open span ``span_id`` with its ids, step context and thread, or outside any span at the latest step."""
+        try:
+            entry = self._open.get(span_id) if span_id is not None else None
+            if entry is not None:
+                ids, state, tid = entry[0]._context, entry[2], entry[3]
+            else:
+                ids, state, tid = INVALID_SPAN_CONTEXT, current_state(), get_native_id()
+            self._emit_point(self._encoder.instant, ids, state, tid, "", {"name": name, "attrs": attrs})
+        except Exception as exc:
+            self._fault(f"a {name}", exc)
+
+    def open_spans(self) -> list[tuple[int, str, int, int]]:
+        """(span id, name, start ns, native thread id) of every open span, in start order.
+
+        For the watchdog's thread: one dict copy (a single C call under the GIL), no lock.
+        """
+        return [(sid, entry[0]._name, entry[0]._start_time, entry[3]) for sid, entry in self._open.copy().items()]
+
     def _point(self, what: str, encode: Callable[..., bytes], **payload: Any) -> None:
         try:
             ids = get_current_span().get_span_context()
             caller = self._caller() if self._caller is not None else ""
-            state = current_state()
-            tid = get_native_id()
-            with self._lock:
-                self._seq += 1
-                self._write(encode(ts_ns=time_ns(), ids=ids, state=state, tid=tid, seq=self._seq, caller=caller,
-                                   **payload))
+            self._emit_point(encode, ids, current_state(), get_native_id(), caller, payload)
         except Exception as exc:
             self._fault(what, exc)
+
+    def _emit_point(self, encode: Callable[..., bytes], ids: Any, state: StepState, tid: int, caller: str,
+                    payload: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._seq += 1
+            self._write(encode(ts_ns=time_ns(), ids=ids, state=state, tid=tid, seq=self._seq, caller=caller,
+                               **payload))
 
     def _write(self, line: bytes) -> None:
         # Called with the lock held, so seq order is file order.

@@ -1,0 +1,217 @@
+"""The watchdog: one daemon thread per traced process that writes ``heartbeat`` and ``stall`` instants.
+
+Why a thread: a rank that hangs writes nothing, and a reader cannot tell "stuck" from "busy" without
+knowing how long each phase usually takes. The hot path already knows which spans are open (the JSONL
+processor keeps them until they end); this thread looks at that set about once a second and writes
+(docs/watch.md):
+
+* ``heartbeat`` when the process has written nothing for ``heartbeat_s``; attrs ``open``: the open
+  span names of every thread, outermost first. A reader tells a quiet process from a dead one by it.
+* ``stall`` when the innermost open span of a thread has been open longer than its threshold
+  (``otel_train.stall``: ``max(stall_min_s, stall_factor × p99 of that name so far)``), and again
+  each time its open time doubles, at most 6 times per span. It carries the span's ids, step context and thread, and every thread's Python stack.
+
+Only the innermost open span of each thread is judged: a ``step`` that is long because its
+``checkpoint`` is long (and within the checkpoint's own threshold) is not a stall.
+
+Costs on the hot path: one O(1) sketch update at each span end (:class:`DurationSketch`). The thread
+reads the processor's record count instead of a timestamp per write, copies the open-span table (one
+C-level dict copy under the GIL, no lock) and takes the processor's write lock only to write its own
+records. It never touches torch, never blocks training, and reports its own faults through ``otel_train._report``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any, Protocol
+
+from otel_train import _report
+from otel_train import schema as S
+from otel_train.stall import MAX_STALLS_PER_SPAN, stall_threshold
+
+MAX_FRAMES = 64
+"""Innermost frames kept per thread in a stall record."""
+MAX_TICK_S = 1.0
+"""The thread looks at least this often (more often when heartbeat_s or stall_min_s is short)."""
+
+_GAMMA = 1.02
+_INV_LOG_GAMMA = 1.0 / math.log(_GAMMA)
+_log = math.log
+
+
+class DurationSketch:
+    """Closed-span durations per name, as log-spaced bucket counts (the DDSketch idea, ±1 % relative).
+
+    ``add`` runs on the hot path at every span end: one dict lookup, one logarithm, one counter bump,
+    no lock (a lost increment under a thread race is harmless to a p99). ``quantile`` runs on the
+    watchdog thread and reads a copy of the counts.
+    """
+
+    __slots__ = ("_buckets",)
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, dict[int, int]] = {}
+
+    def add(self, name: str, dur_ns: int) -> None:
+        """Count one closed span of ``name`` that lasted ``dur_ns`` nanoseconds."""
+        counts = self._buckets.get(name)
+        if counts is None:
+            counts = self._buckets[name] = {}
+        key = int(_log(dur_ns + 1) * _INV_LOG_GAMMA)
+        counts[key] = counts.get(key, 0) + 1
+
+    def quantile(self, name: str, q: float) -> tuple[int, float | None]:
+        """(count, the ``q`` quantile in seconds, or None without durations) of ``name`` so far."""
+        counts = self._buckets.get(name)
+        if not counts:
+            return 0, None
+        items = sorted(counts.copy().items())  # dict.copy is one C call: safe against concurrent adds
+        total = sum(c for _, c in items)
+        rank = q * total
+        seen = 0
+        for key, count in items:
+            seen += count
+            if seen >= rank:
+                # The bucket's upper edge: a threshold errs on the late side, never on a false stall.
+                return total, (_GAMMA ** (key + 1)) / 1e9
+        return total, (_GAMMA ** (items[-1][0] + 1)) / 1e9
+
+
+class InstantSink(Protocol):
+    """What the watchdog needs from the JSONL processor."""
+
+    @property
+    def records_written(self) -> int: ...
+
+    def open_spans(self) -> list[tuple[int, str, int, int]]: ...
+
+    def instant_for(self, name: str, attrs: dict[str, Any], span_id: int | None = None) -> None: ...
+
+
+def thread_stacks(skip_ident: int | None = None) -> list[dict[str, Any]]:
+    """Every thread's Python stack: ``{"tid", "thread", "frames": ["path:line:function", …]}``, innermost last.
+
+    ``tid`` is the native thread id (what records and py-spy show); threads not made by ``threading``
+    show their Python ident. Reads no source files.
+    """
+    by_ident = {t.ident: t for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        if ident == skip_ident:
+            continue
+        thread = by_ident.get(ident)
+        out.append({
+            "tid": (thread.native_id if thread is not None else None) or ident,
+            "thread": thread.name if thread is not None else f"thread-{ident}",
+            "frames": _frames(frame),
+        })
+    return out
+
+
+def _frames(frame: FrameType | None) -> list[str]:
+    frames = []
+    while frame is not None and len(frames) < MAX_FRAMES:
+        code = frame.f_code
+        frames.append(f"{code.co_filename}:{frame.f_lineno}:{code.co_name}")
+        frame = frame.f_back
+    frames.reverse()
+    return frames
+
+
+class _Stall:
+    __slots__ = ("threshold_s", "written")
+
+    def __init__(self, threshold_s: float) -> None:
+        self.threshold_s = threshold_s
+        self.written = 0
+
+
+class Watchdog:
+    """The thread: ``start()`` at init, ``stop()`` at shutdown; :meth:`check` is one look (tests call it)."""
+
+    def __init__(self, sink: InstantSink, sketch: DurationSketch, *, heartbeat_s: float, stall_min_s: float,
+                 stall_factor: float) -> None:
+        self._sink = sink
+        self._sketch = sketch
+        self._heartbeat_s = heartbeat_s
+        self._stall_min_s = stall_min_s
+        self._stall_factor = stall_factor
+        periods = [p / 4 for p in (heartbeat_s, stall_min_s) if p > 0]
+        self.tick_s = max(0.05, min([MAX_TICK_S, *periods]))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seen_seq = -1
+        self._quiet_since = time.monotonic()
+        self._stalls: dict[int, _Stall] = {}
+
+    def start(self) -> Watchdog:
+        """Start the daemon thread (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="otel-train-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop the thread; waits at most ``timeout_s`` for a look in progress to finish."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, timeout_s))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            try:
+                self.check()
+            except Exception as exc:  # the watchdog keeps looking; training never hears of it
+                _report.report_exception("watchdog", exc)
+
+    def check(self) -> None:
+        """One look: stall records for spans past their threshold, then a heartbeat if the process is quiet."""
+        open_spans = self._sink.open_spans()
+        self._check_stalls(open_spans, time.time_ns())
+        self._check_quiet(open_spans, time.monotonic())
+
+    def _check_quiet(self, open_spans: list[tuple[int, str, int, int]], now: float) -> None:
+        seq = self._sink.records_written
+        if seq != self._seen_seq:
+            self._seen_seq, self._quiet_since = seq, now
+            return
+        if self._heartbeat_s and now - self._quiet_since >= self._heartbeat_s:
+            by_thread: dict[int, list[str]] = {}
+            for _, name, _, tid in sorted(open_spans, key=lambda s: s[2]):
+                by_thread.setdefault(tid, []).append(name)
+            self._sink.instant_for(S.INSTANT_HEARTBEAT, {"open": [{"tid": t, "spans": n} for t, n in by_thread.items()]})
+            self._seen_seq, self._quiet_since = self._sink.records_written, now
+
+    def _check_stalls(self, open_spans: list[tuple[int, str, int, int]], now_ns: int) -> None:
+        innermost: dict[int, tuple[int, str, int, int]] = {}
+        for span in open_spans:
+            current = innermost.get(span[3])
+            if current is None or span[2] >= current[2]:
+                innermost[span[3]] = span
+        live = {span[0] for span in innermost.values()}
+        for gone in [sid for sid in self._stalls if sid not in live]:
+            del self._stalls[gone]
+        for span_id, name, start_ns, tid in innermost.values():
+            open_s = (now_ns - start_ns) / 1e9
+            if open_s < self._stall_min_s:
+                continue  # below any threshold: no quantile needed
+            stall = self._stalls.get(span_id)
+            if stall is None:
+                count, p99 = self._sketch.quantile(name, 0.99)
+                threshold = stall_threshold(count, p99, self._stall_min_s, self._stall_factor)
+                stall = self._stalls[span_id] = _Stall(threshold)
+            if stall.written >= MAX_STALLS_PER_SPAN or open_s < stall.threshold_s * (2 ** stall.written):
+                continue
+            stall.written += 1
+            self._sink.instant_for(S.INSTANT_STALL, {
+                "span": name,
+                "open_s": round(open_s, 3),
+                "threshold_s": round(stall.threshold_s, 3),
+                "tid": tid,
+                "stacks": thread_stacks(skip_ident=threading.get_ident()),
+            }, span_id)

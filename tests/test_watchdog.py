@@ -1,0 +1,210 @@
+"""The watchdog thread in a real traced process: heartbeat cadence, stall thresholds with and without
+history, stacks that name the stuck function, doubling and the cap, fork children, off switch."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import otel_train as ot
+from otel_train import _report, schema
+from otel_train.stall import MAX_STALLS_PER_SPAN
+from otel_train.watchdog import DurationSketch, Watchdog
+
+
+def _records(save_path: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in sorted((save_path / schema.STRUCTURED_LOGS_DIR).iterdir()):
+        out += [json.loads(line) for line in path.read_text().splitlines()]
+    return out
+
+
+def _named(records: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [r for r in records if r["kind"] == schema.INSTANT and r["name"] == name]
+
+
+def stuck_here(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_heartbeats_only_while_quiet_at_the_configured_cadence(tmp_path: Path) -> None:
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0.4, stall_min_s=60)
+    busy_until = time.monotonic() + 1.2
+    while time.monotonic() < busy_until:  # a record every 50 ms: never quiet for 0.4 s
+        with ot.log_trace_span("data_fetch"):
+            time.sleep(0.05)
+    quiet_from = time.time()
+    with ot.log_trace_span("step"):
+        time.sleep(2.1)
+    ot.shutdown()
+    beats = _named(_records(tmp_path), schema.INSTANT_HEARTBEAT)
+    assert beats and all(b["ts"] >= quiet_from + 0.4 for b in beats)
+    gaps = np.diff([quiet_from] + [b["ts"] for b in beats])
+    tick = 0.1  # heartbeat_s / 4
+    assert len(beats) in (4, 5) and gaps.min() >= 0.4 and gaps.max() <= 0.4 + 2 * tick + 0.1, gaps
+    assert beats[0]["attrs"]["open"] == [{"tid": threading.get_native_id(), "spans": ["step"]}]
+    assert "span_id" not in beats[0] and "caller" not in beats[0]
+
+
+def test_stall_threshold_without_history_is_min_times_factor_with_stacks(tmp_path: Path) -> None:
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0, stall_min_s=0.3, stall_factor=2)
+    ot.set_step(7)
+    with ot.log_trace_span("checkpoint") as span:
+        stuck_here(0.9)
+    ot.shutdown()
+    (stall,) = _named(_records(tmp_path), schema.INSTANT_STALL)
+    attrs = stall["attrs"]
+    assert attrs["span"] == "checkpoint" and attrs["threshold_s"] == 0.6 and 0.6 <= attrs["open_s"] < 0.6 + 0.2
+    # On the stalled span, its thread and step, whatever thread wrote it.
+    assert stall["span_id"] == f"{span.get_span_context().span_id:016x}" and stall["step"] == 7
+    assert stall["tid"] == attrs["tid"] == threading.get_native_id()
+    main = next(s for s in attrs["stacks"] if s["tid"] == threading.get_native_id())
+    assert main["thread"] == "MainThread"
+    assert main["frames"][-1].endswith(":stuck_here")
+    assert main["frames"][-2].endswith(":test_stall_threshold_without_history_is_min_times_factor_with_stacks")
+    assert not any(s["thread"] == "otel-train-watchdog" for s in attrs["stacks"])
+
+
+def test_stall_threshold_with_history_is_factor_times_p99(tmp_path: Path) -> None:
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0, stall_min_s=0.1, stall_factor=3)
+    for _ in range(6):
+        with ot.log_trace_span("forward"):
+            time.sleep(0.1)
+    with ot.log_trace_span("forward"):
+        stuck_here(1.0)
+    ot.shutdown()
+    stalls = _named(_records(tmp_path), schema.INSTANT_STALL)
+    threshold = stalls[0]["attrs"]["threshold_s"]
+    assert 0.3 <= threshold <= 0.36  # 3 × p99 of ~0.1 s, not stall_min_s × factor = 0.3 exactly by chance
+    assert [round(s["attrs"]["open_s"] / threshold) for s in stalls] == [1, 2]  # again at twice its open time
+    assert all(s["attrs"]["threshold_s"] == threshold for s in stalls)
+
+
+def test_only_the_innermost_span_of_a_thread_is_judged(tmp_path: Path) -> None:
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0, stall_min_s=0.2, stall_factor=2)
+    for _ in range(5):  # "step" learns to be short ...
+        with ot.log_trace_span("step"):
+            pass
+    with ot.log_trace_span("step"), ot.log_trace_span("checkpoint"):  # ... but this one holds a checkpoint
+        time.sleep(0.3)  # within the checkpoint's 0.4 s (no history)
+    ot.shutdown()
+    assert _named(_records(tmp_path), schema.INSTANT_STALL) == []
+
+
+class FakeSink:
+    """Open spans and the records the watchdog writes, without a processor."""
+
+    def __init__(self) -> None:
+        self.records_written = 0
+        self.spans: list[tuple[int, str, int, int]] = []
+        self.written: list[tuple[str, dict[str, Any], int | None]] = []
+
+    def open_spans(self) -> list[tuple[int, str, int, int]]:
+        return list(self.spans)
+
+    def instant_for(self, name: str, attrs: dict[str, Any], span_id: int | None = None) -> None:
+        self.records_written += 1
+        self.written.append((name, attrs, span_id))
+
+
+def test_a_stall_is_written_again_at_each_doubling_and_at_most_six_times() -> None:
+    sink = FakeSink()
+    dog = Watchdog(sink, DurationSketch(), heartbeat_s=0, stall_min_s=1.0, stall_factor=1.0)
+    written = []
+    for open_s in (0.5, 1.0, 1.5, 2.0, 3.9, 4.0, 8.0, 16.0, 32.0, 64.0, 1000.0):
+        sink.spans = [(42, "backward", time.time_ns() - int(open_s * 1e9), 1)]
+        dog.check()
+        written.append(len(sink.written))
+    assert written == [0, 1, 1, 2, 2, 3, 4, 5, 6, 6, 6] and MAX_STALLS_PER_SPAN == 6
+    assert {span_id for _, _, span_id in sink.written} == {42}
+    sink.spans = [(43, "backward", time.time_ns() - int(1.5e9), 1)]  # a new span: its own count
+    dog.check()
+    assert len(sink.written) == 7
+
+
+def test_duration_sketch_quantiles_are_within_two_percent() -> None:
+    rng = np.random.default_rng(0)
+    values = rng.lognormal(mean=17, sigma=1.0, size=20_000)  # ns, around 25 ms
+    sketch = DurationSketch()
+    for v in values:
+        sketch.add("forward", int(v))
+    for q in (0.5, 0.9, 0.99):
+        count, got = sketch.quantile("forward", q)
+        want = float(np.quantile(values, q)) / 1e9
+        assert count == values.size and abs(got - want) / want < 0.02, (q, got, want)
+    assert sketch.quantile("never", 0.99) == (0, None)
+
+
+def test_watchdog_off_means_no_thread_and_no_records(tmp_path: Path) -> None:
+    ot.init(save_path=tmp_path, enabled=True, watchdog=False, heartbeat_s=0.1, stall_min_s=0.1, stall_factor=1)
+    assert "otel-train-watchdog" not in {t.name for t in threading.enumerate()}
+    with ot.log_trace_span("forward"):
+        time.sleep(0.5)
+    ot.shutdown()
+    records = _records(tmp_path)
+    assert not _named(records, schema.INSTANT_STALL) and not _named(records, schema.INSTANT_HEARTBEAT)
+
+
+def test_the_thread_stops_at_shutdown_and_starts_again_with_the_next_init(tmp_path: Path) -> None:
+    def watchdogs() -> int:
+        return sum(t.name == "otel-train-watchdog" for t in threading.enumerate())
+
+    ot.init(save_path=tmp_path / "a", enabled=True)
+    assert watchdogs() == 1
+    ot.shutdown()
+    assert watchdogs() == 0
+    ot.init(save_path=tmp_path / "b", enabled=True)
+    assert watchdogs() == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_that_did_not_call_init_writes_nothing_and_has_no_watchdog(tmp_path: Path) -> None:
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0.1, stall_min_s=0.1, stall_factor=1)
+    read, write = os.pipe()
+    with ot.log_trace_span("data_fetch"):  # open in the parent when it forks: a stall candidate
+        pid = os.fork()
+        if pid == 0:  # the child: a DataLoader worker, say
+            try:
+                with ot.log_trace_span("forward"):
+                    time.sleep(0.6)  # past every threshold and heartbeat period
+                names = sorted(t.name for t in threading.enumerate())
+                os.write(write, json.dumps(names).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+    child_threads = json.loads(os.read(read, 4096))
+    os.close(read)
+    ot.shutdown()
+    assert status == 0 and child_threads == ["MainThread"]
+    records = _records(tmp_path)
+    assert {r["pid"] for r in records} == {os.getpid()}
+    assert _named(records, schema.INSTANT_STALL)  # the parent's watchdog saw its own open span
+
+
+def test_spans_from_many_threads_while_the_watchdog_looks_cause_no_fault(tmp_path: Path) -> None:
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0.05, stall_min_s=0.05, stall_factor=1)
+    stop = time.monotonic() + 1.0
+
+    def work() -> None:
+        while time.monotonic() < stop:
+            with ot.log_trace_span("step"), ot.log_trace_span("forward"):
+                pass
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ot.shutdown()
+    assert not [key for key in _report.counts() if "watchdog" in key or "instant" in key]
+    records = _records(tmp_path)
+    starts = sum(r["kind"] == schema.SPAN_START for r in records)
+    assert starts == sum(r["kind"] == schema.SPAN_END for r in records) > 1000
