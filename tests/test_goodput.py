@@ -89,3 +89,19 @@ def test_goodput_of_an_empty_run(tmp_path: Path) -> None:
     write_run(tmp_path, [p])
     g = goodput(load_run(tmp_path))
     assert g["wall_s"] == 0.0 and g["fraction"] is None and g["productive_s"] == 0.0
+
+
+def test_goodput_in_summarize_json_and_text(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    run = _restarted_run(tmp_path)
+    result = CliRunner().invoke(app, ["summarize", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    g = json.loads(result.stdout)["goodput"]
+    assert set(g) >= {"wall_s", "productive_s", "fraction", "init_s", "checkpoint_s", "eval_s", "lost_s", "restart_s"}
+    text = CliRunner().invoke(app, ["summarize", str(run)]).stdout
+    assert "Goodput: 38.5 % of 5.2 s wall time was productive" in text and "restart downtime" in text

@@ -130,3 +130,34 @@ def test_a_single_rank_or_no_collective_has_nothing_to_compare(tmp_path: Path) -
     write_run(tmp_path, [p])
     out = whatif(load_run(tmp_path))
     assert out["steps"] == 0 and out["slowdown"] is None and out["by_rank"] == []
+
+
+def test_whatif_cli_json_text_and_exit_codes(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        if rank == 3:
+            t[DATA_FETCH] = 15.0
+        return t
+
+    procs = [Proc(rank=r, world_size=4) for r in range(4)]
+    simulate(procs, 21, times)
+    write_run(tmp_path / "run", procs, garbage={3: b"{not json"})
+    result = CliRunner().invoke(app, ["whatif", str(tmp_path / "run"), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert set(out) >= {"step_ms", "slowdown", "by_rank", "by_phase", "steps"}
+    assert set(out["step_ms"]) >= {"actual", "ideal"} and out["steps"] == 20
+    assert all(set(r) >= {"rank", "slowdown"} for r in out["by_rank"])
+    assert all(set(r) >= {"phase", "slowdown"} for r in out["by_phase"])
+    assert "skipped malformed line" in result.stderr
+    text = CliRunner().invoke(app, ["whatif", str(tmp_path / "run")])
+    assert text.exit_code == 0 and "rank 3's data_fetch" in text.stdout and "14.3 %" in text.stdout
+    (tmp_path / "empty").mkdir()
+    empty = CliRunner().invoke(app, ["whatif", str(tmp_path / "empty")])
+    assert empty.exit_code == 2 and empty.stderr.startswith("error:") and len(empty.stderr.splitlines()) == 1

@@ -11,7 +11,7 @@ import importlib
 
 from otel_train.cli._app import app
 
-COMMANDS = ("summarize", "export", "stats", "push", "watch")
+COMMANDS = ("summarize", "export", "stats", "push", "watch", "whatif", "diff")
 
 for _name in COMMANDS:
     importlib.import_module(f"{__name__}.{_name}")

@@ -82,6 +82,8 @@ def _render(summary: dict[str, Any], out: Console) -> None:
         out.print("Phases: not read (--fast reads only each file's tail; the run wrote no digests)")
     else:
         _render_phases(summary["phases"], out)
+    if summary.get("goodput"):
+        _render_goodput(summary["goodput"], out)
     if summary["malformed_lines"]:
         out.print(f"malformed lines skipped: {summary['malformed_lines']}")
 
@@ -98,6 +100,23 @@ def _render_phases(rows: list[dict[str, Any]], out: Console) -> None:
             f"{s['rank']}/{s['attempt']}/{_s(s['step'])}",
         )
     out.print(phases)
+
+
+def _render_goodput(g: dict[str, Any], out: Console) -> None:
+    wall = g["wall_s"]
+    if not wall:
+        return
+    parts = [("productive steps", g["productive_s"]), ("before the first step", g["init_s"]),
+             ("checkpoint", g["checkpoint_s"]), ("eval", g["eval_s"]),
+             ("steps done again after a restart (lost)", g["lost_s"]), ("restart downtime", g["restart_s"]),
+             ("other (after the last step, failed or hung steps, between spans)", g.get("other_s", 0.0))]
+    table = Table(title=f"Goodput: {100 * g['fraction']:.1f} % of {wall:.3g} s wall time was productive",
+                  title_justify="left")
+    for col in ("time went to", "s", "%"):
+        table.add_column(col, justify="left" if col == "time went to" else "right")
+    for label, secs in parts:
+        table.add_row(label, f"{secs:.3g}", f"{100 * secs / wall:.1f}")
+    out.print(table)
 
 
 def _s(value: object) -> str:

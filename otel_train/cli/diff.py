@@ -1,0 +1,86 @@
+"""``otel-train diff PATH_A PATH_B [--json]``: run B against run A, per phase and per rank x phase."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from otel_train.analysis.diff import Thresholds, diff_runs
+from otel_train.cli._app import app
+from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
+
+SHOWN = 20
+_DEFAULT = Thresholds()
+
+
+@app.command()
+def diff(
+    path_a: Path = typer.Argument(..., help="Run A (the baseline): run directory or its structured_logs/."),
+    path_b: Path = typer.Argument(..., help="Run B (compared against A)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the comparison as one JSON object."),
+    max_p: float = typer.Option(_DEFAULT.max_p, "--max-p", min=0.0, max=1.0,
+                                help="A change is significant below this Mann-Whitney p-value."),
+    min_pct: float = typer.Option(_DEFAULT.min_pct, "--min-pct", min=0.0, help="... and at least this % of A's median"),
+    min_ms: float = typer.Option(_DEFAULT.min_ms, "--min-ms", min=0.0, help="... and at least this many ms."),
+) -> None:
+    """Did B get slower? p50/p95 per phase and per rank x phase in both runs, the change and its
+    significance; regressions and improvements that are significant and big enough."""
+    with cli_errors():
+        a = load(path_a, "reading A")
+        b = load(path_b, "reading B")
+        result = diff_runs(a, b, Thresholds(max_p, min_pct, min_ms))
+        if as_json:
+            print_json(result)
+        else:
+            _render(result, Console())
+
+
+def _verdict(row: dict[str, Any]) -> str:
+    return "regression" if row["regression"] else "improvement" if row["improvement"] else ""
+
+
+def _rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
+    """(phase, rank, row) for every phase (all ranks) and rank x phase comparison, regressions first,
+    then improvements, each by the size of the change."""
+    collective = {p["name"] for p in result["phases"] if p["collective"]}
+    out = [(p["name"], "all", p) for p in result["phases"]] + [(r["phase"], str(r["rank"]), r) for r in result["ranks"]]
+    out = [(f"{name} (own time)" if name in collective else name, rank, row) for name, rank, row in out]
+
+    def effect(item: tuple[str, str, dict[str, Any]]) -> tuple[int, float]:
+        row = item[2]
+        group = 0 if row["regression"] else 1 if row["improvement"] else 2
+        return group, -abs(row["delta_ms"]) if row["delta_ms"] == row["delta_ms"] else 0.0
+
+    return sorted(out, key=effect)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None or value != value else format(value, fmt)
+
+
+def _render(result: dict[str, Any], out: Console) -> None:
+    steps, th = result["steps"], result["thresholds"]
+    aligned = f"on the {steps['shared']} steps both ran" if steps["shared"] else "on all steps (no step numbers shared)"
+    out.print(f"B against A {aligned}; a finding needs p < {th['max_p']:g}, >= {th['min_pct']:g} % and "
+              f">= {th['min_ms']:g} ms (Mann-Whitney U; a collective phase is judged on its own time, "
+              f"without the waiting)", highlight=False)
+    for f in result["findings"]:
+        out.print(f"[bold]{f['kind']}[/bold]: {f['message']}", highlight=False)
+    if not result["findings"]:
+        out.print("No regression or improvement above the thresholds.")
+    rows = _rows(result)
+    table = Table(title="Medians (ms), regressions first, by the size of the change", title_justify="left")
+    for col in ("phase", "rank", "A", "B", "Δ ms", "Δ %", "p", "verdict"):
+        table.add_column(col, justify="left" if col in ("phase", "verdict") else "right")
+    for name, rank, row in rows[:SHOWN]:
+        a50, b50 = row["judged_ms"]
+        pct = None if not a50 or a50 != a50 or b50 is None else 100.0 * (b50 - a50) / a50
+        table.add_row(name, rank, fmt_ms(a50), fmt_ms(b50), _num(row["delta_ms"], "+.3g"), _num(pct, "+.1f"),
+                      _num(row["p_value"], ".1g"), _verdict(row))
+    out.print(table)
+    if len(rows) > SHOWN:
+        out.print(f"{len(rows) - SHOWN} more rows: --json shows all")

@@ -1,0 +1,67 @@
+"""``otel-train whatif PATH [--json]``: what each rank's and each phase's slowness costs per step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from otel_train.analysis.whatif import SYNC_PHASES, whatif as whatif_run
+from otel_train.cli._app import app
+from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
+
+SHOWN = 10
+
+
+@app.command()
+def whatif(
+    path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the answer as one JSON object."),
+    sync: str = typer.Option(",".join(SYNC_PHASES), "--sync", metavar="PHASE,…",
+                             help="Phases that end with a collective (data parallel: backward's all-reduce)."),
+) -> None:
+    """How much faster each step would be with each rank, and each phase, made typical (replayed
+    through the synchronisation the spans show: every rank waits for the slowest at each collective)."""
+    with cli_errors():
+        result = whatif_run(load(path), sync=[s.strip() for s in sync.split(",") if s.strip()])
+        if as_json:
+            print_json(result)
+        else:
+            _render(result, Console())
+
+
+def _pct(row: dict[str, Any]) -> str:
+    return f"{row['cost_pct']:.1f} %"
+
+
+def _render(result: dict[str, Any], out: Console) -> None:
+    if not result["steps"]:
+        out.print("What-if: no steps to replay (it needs two or more ranks that share synchronised steps).")
+        return
+    ms = result["step_ms"]
+    out.print(
+        f"What-if over {result['steps']} steps (collective: {', '.join(result['sync'])}): mean step "
+        f"{fmt_ms(ms['actual'])} ms (measured {fmt_ms(ms['measured'])} ms); with every rank and phase "
+        f"typical {fmt_ms(ms['ideal'])} ms, a slowdown of {result['slowdown']:.2f}x"
+    )
+    pairs = [r for r in result["by_rank_phase"] if r["cost_ms"] > 0][:SHOWN]
+    if pairs:
+        table = Table(title="What each rank's phase costs every step", title_justify="left")
+        for col in ("", "costs", "ms/step", "step if typical (ms)"):
+            table.add_column(col, justify="left" if not col else "right")
+        for r in pairs:
+            table.add_row(f"rank {r['rank']}'s {r['phase']}", _pct(r), fmt_ms(r["cost_ms"]),
+                          fmt_ms(ms["actual"] - r["cost_ms"]))
+        out.print(table)
+    for key, label in (("by_rank", "rank"), ("by_phase", "phase")):
+        table = Table(title=f"By {label}: {label} made typical", title_justify="left")
+        for col in (label, "slowdown", "costs", "ms/step"):
+            table.add_column(col, justify="left" if col == label else "right")
+        for r in result[key][:SHOWN]:
+            name = str(r[label]) + (" (collective: its own time; waiting is charged to its cause)"
+                                    if r.get("collective") else "")
+            table.add_row(name, f"{r['slowdown']:.3f}x", _pct(r), fmt_ms(r["cost_ms"]))
+        out.print(table)

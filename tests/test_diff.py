@@ -1,0 +1,142 @@
+"""diff on synthetic synchronised runs: what changed, on which rank, judged by significance and size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from analysis_fixtures import Proc, write_run
+from sync_sim import simulate
+
+from otel_train.analysis.diff import Thresholds, diff_runs
+from otel_train.analysis.spans import Run, load_run
+from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER
+
+Change = Callable[[int, int, dict[str, float]], None]
+
+
+def noisy_run(path: Path, seed: int, change: Change | None = None, steps: range = range(200), world: int = 4) -> Run:
+    """Skewed (log-normal) durations around 5/20/30/5 ms, ~8 % spread; ``change`` edits them per rank, step."""
+    rng = np.random.default_rng(seed)
+
+    def times(rank: int, step: int) -> dict[str, float]:
+        jitter = rng.lognormal(0.0, 0.08, 4)
+        t = {DATA_FETCH: 5.0 * jitter[0], FORWARD: 20.0 * jitter[1], "tail": 30.0 * jitter[2],
+             OPTIMIZER: 5.0 * jitter[3]}
+        if change is not None:
+            change(rank, step, t)
+        return t
+
+    procs = [Proc(rank=r, world_size=world) for r in range(world)]
+    simulate(procs, steps, times)
+    write_run(path, procs)
+    return load_run(path, warn=pytest.fail)
+
+
+def kinds(out: dict) -> list[tuple[str, int | None, str]]:
+    return [(f["kind"], f["rank"], f["phase"]) for f in out["findings"]]
+
+
+def test_ten_percent_on_one_rank_in_200_steps_is_found(tmp_path: Path) -> None:
+    def slower(rank: int, step: int, t: dict[str, float]) -> None:
+        if rank == 1:
+            t[FORWARD] *= 1.10
+
+    out = diff_runs(noisy_run(tmp_path / "a", 1), noisy_run(tmp_path / "b", 2, slower))
+    assert kinds(out) == [("regression", 1, FORWARD)]
+    (f,) = out["findings"]
+    assert f["delta_ms"] == pytest.approx(2.0, abs=0.6) and f["p_value"] < 1e-6
+    row = next(r for r in out["ranks"] if (r["rank"], r["phase"]) == (1, FORWARD))
+    assert row["delta_pct"] == pytest.approx(10.0, abs=3.0) and row["regression"] is True
+    assert set(row) >= {"rank", "phase", "a_p50_ms", "b_p50_ms", "delta_pct"}
+    phase = next(p for p in out["phases"] if p["name"] == FORWARD)
+    assert set(phase) >= {"name", "a", "b", "delta_p50_pct", "p_value", "regression"}
+    assert set(phase["a"]) == {"count", "p50_ms", "p95_ms"} and phase["a"]["count"] == 800
+    assert out["steps"] == {"a": 200, "b": 200, "shared": 200}
+
+
+def test_same_distribution_raises_nothing(tmp_path: Path) -> None:
+    out = diff_runs(noisy_run(tmp_path / "a", 3), noisy_run(tmp_path / "b", 4))
+    assert out["findings"] == []
+    assert all(not (r["regression"] or r["improvement"]) for r in out["ranks"])
+
+
+def test_a_change_on_every_rank_is_one_finding_and_regressions_come_first(tmp_path: Path) -> None:
+    def change(rank: int, step: int, t: dict[str, float]) -> None:
+        t[FORWARD] *= 1.2
+        t[OPTIMIZER] *= 0.5  # faster: an improvement
+
+    out = diff_runs(noisy_run(tmp_path / "a", 5), noisy_run(tmp_path / "b", 6, change))
+    assert kinds(out) == [("regression", None, FORWARD), ("improvement", None, OPTIMIZER)]
+    assert "all ranks" in out["findings"][0]["message"]
+
+
+def test_waiting_in_backward_is_not_a_regression(tmp_path: Path) -> None:
+    # Rank 2's data_fetch got 10 ms slower: its peers now wait 10 ms longer in backward's all-reduce.
+    def change(rank: int, step: int, t: dict[str, float]) -> None:
+        if rank == 2:
+            t[DATA_FETCH] += 10.0
+
+    out = diff_runs(noisy_run(tmp_path / "a", 7), noisy_run(tmp_path / "b", 8, change))
+    assert kinds(out) == [("regression", 2, DATA_FETCH)]
+    waited = next(r for r in out["ranks"] if (r["rank"], r["phase"]) == (0, BACKWARD))
+    assert waited["b_p50_ms"] - waited["a_p50_ms"] > 5.0  # shown, not a finding (it waited some in A too)
+    assert next(p for p in out["phases"] if p["name"] == BACKWARD)["collective"] is True
+
+
+def test_steps_are_aligned_by_number(tmp_path: Path) -> None:
+    # A ran steps 0-299 with a slow warm-up (steps 0-99); B resumed at step 100: only 100-299 compare.
+    def warmup(rank: int, step: int, t: dict[str, float]) -> None:
+        if step < 100:
+            t[FORWARD] *= 3.0
+
+    a = noisy_run(tmp_path / "a", 9, warmup, steps=range(300))
+    b = noisy_run(tmp_path / "b", 10, steps=range(100, 300))
+    out = diff_runs(a, b)
+    assert out["steps"] == {"a": 300, "b": 200, "shared": 200}
+    assert out["findings"] == []
+    assert next(p for p in out["phases"] if p["name"] == FORWARD)["a"]["count"] == 800
+
+
+def test_thresholds_are_configurable(tmp_path: Path) -> None:
+    def slower(rank: int, step: int, t: dict[str, float]) -> None:
+        if rank == 1:
+            t[FORWARD] *= 1.10
+
+    a, b = noisy_run(tmp_path / "a", 1), noisy_run(tmp_path / "b", 2, slower)
+    assert diff_runs(a, b, Thresholds(min_pct=15.0))["findings"] == []
+    assert diff_runs(a, b, Thresholds(min_ms=3.0))["findings"] == []
+    assert diff_runs(a, b, Thresholds(max_p=1e-30))["findings"] == []
+
+
+def test_diff_cli_json_text_and_exit_codes(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    def slower(rank: int, step: int, t: dict[str, float]) -> None:
+        if rank == 1:
+            t[FORWARD] *= 1.5
+        t[OPTIMIZER] *= 0.5
+
+    noisy_run(tmp_path / "a", 11, steps=range(60))
+    noisy_run(tmp_path / "b", 12, slower, steps=range(60))
+    result = CliRunner().invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert set(out) >= {"phases", "ranks", "findings"}
+    assert [(f["kind"], f["rank"], f["phase"]) for f in out["findings"]] == [
+        ("regression", 1, FORWARD), ("improvement", None, OPTIMIZER)]
+    assert all(set(f) >= {"kind", "phase", "rank", "message"} for f in out["findings"])
+    text = CliRunner().invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--min-pct", "60"])
+    assert text.exit_code == 0 and "regression: forward on rank 1" not in text.stdout
+    text = CliRunner().invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b")])
+    lines = [line for line in text.stdout.splitlines() if "│" in line and ("forward" in line or "optimizer" in line)]
+    assert "regression" in lines[0] and "forward" in lines[0]  # regressions first
+    (tmp_path / "empty").mkdir()
+    missing = CliRunner().invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "empty")])
+    assert missing.exit_code == 2 and "empty" in missing.stderr and len(missing.stderr.splitlines()) == 1
