@@ -171,3 +171,26 @@ def test_export_cli_writes_otlp_json(tmp_path: Path) -> None:
     empty = subprocess.run([cli, "export", str(tmp_path / "nothing"), "-f", "otlp-json"], capture_output=True,
                            text=True, timeout=120)
     assert empty.returncode == 2 and empty.stderr.startswith("error: ") and len(empty.stderr.splitlines()) == 1
+
+
+def test_odd_values_and_ids(tmp_path: Path) -> None:
+    """Ints beyond int64 become text, nested objects key-value lists; a span whose id is not hex is skipped."""
+    proc = Proc(rank=0)
+    proc.set_step(1)
+    proc.start(STEP, big=2**70, nested={"a": [1, "x"], "b": None})
+    proc.advance(1)
+    proc.start(FORWARD)
+    proc.advance(1)
+    proc.end()
+    proc.end()
+    sid = json.loads(proc.lines[-2])[schema.SPAN_ID]  # forward's end (step's is last)
+    proc.lines = [line.replace(sid, "not-a-hex-id!!!!") for line in proc.lines]
+    write_run(tmp_path, [proc])
+    data, counts = _export(tmp_path)
+    (step,) = _spans(data)
+    assert counts.slices == 1
+    attrs = {kv["key"]: kv["value"] for kv in step["attributes"]}
+    assert attrs["big"] == {"stringValue": str(2**70)}
+    assert attrs["nested"] == {"kvlistValue": {"values": [
+        {"key": "a", "value": {"arrayValue": {"values": [{"intValue": "1"}, {"stringValue": "x"}]}}},
+        {"key": "b", "value": {}}]}}

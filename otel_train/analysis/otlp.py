@@ -191,16 +191,24 @@ def to_readable(
     )
 
 
-def count(span: Span, out: ReadableSpan | None, events: int, tally: Tally) -> None:
-    """Add one converted span (and the instants that became its events) to ``tally``."""
-    if out is None:
-        tally.spans_without_ids += 1
-        tally.instants_dropped += events
-        return
-    tally.spans += 1
-    tally.events += events
-    if span.unclosed or span.end_ts is None:
-        tally.incomplete_spans += 1
+def convert(spans: Iterable[Span], resource: Resource, end_fallback_ts: float,
+            events: dict[str, list[Event]], tally: Tally) -> Iterator[ReadableSpan]:
+    """``spans`` as SDK spans, each with its events (taken out of ``events``), counted in ``tally``.
+
+    Spans without valid ids are left out (counted, and their events as dropped instants).
+    """
+    for span in spans:
+        own = events.pop(span.span_id, [])
+        out = to_readable(span, resource, end_fallback_ts, own)
+        if out is None:
+            tally.spans_without_ids += 1
+            tally.instants_dropped += len(own)
+            continue
+        tally.spans += 1
+        tally.events += len(own)
+        if span.unclosed or span.end_ts is None:
+            tally.incomplete_spans += 1
+        yield out
 
 
 def events_by_span(instants: Iterable[Instant], into: dict[str, list[Event]] | None = None,
@@ -221,12 +229,6 @@ def process_spans(state: ProcessState, resource: Resource, tally: Tally) -> Iter
     Instants whose span is not among them are dropped, scalars skipped; both are counted in ``tally``.
     """
     events = events_by_span(state.instants, tally=tally)
-    last = state.last_ts if state.last_ts is not None else 0.0
-    for span in state.spans:
-        own = events.pop(span.span_id, ())
-        out = to_readable(span, resource, last, own)
-        count(span, out, len(own), tally)
-        if out is not None:
-            yield out
+    yield from convert(state.spans, resource, state.last_ts or 0.0, events, tally)
     tally.instants_dropped += sum(map(len, events.values()))
     tally.scalars_skipped += len(state.scalars)

@@ -25,11 +25,10 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from otel_train.analysis.otlp import (
     Tally,
     base_resource,
-    count,
+    convert,
     events_by_span,
     process_resource,
     process_spans,
-    to_readable,
 )
 from otel_train.analysis.otlp_send import Destination
 from otel_train.analysis.records import AnyRecord, BadLines, ProcessFiles, Reader, Tail, Warn, head, warn_to_stderr
@@ -143,15 +142,7 @@ class LiveProcess:
         return out
 
     def _convert(self, spans: list[Span]) -> list[ReadableSpan]:
-        last = self.state.last_ts or 0.0
-        out = []
-        for span in spans:
-            own = self._events.pop(span.span_id, [])
-            readable = to_readable(span, self.resource, last, own)
-            count(span, readable, len(own), self.stats)
-            if readable is not None:
-                out.append(readable)
-        return out
+        return list(convert(spans, self.resource, self.state.last_ts or 0.0, self._events, self.stats))
 
 
 def follow(
