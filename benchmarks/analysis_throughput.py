@@ -1,11 +1,16 @@
-"""Analysis throughput: summarize (in process and as the CLI), export, DuckDB and a json.loads loop.
+"""Analysis throughput: summarize and export (in process and as the CLI), DuckDB and a json.loads loop.
 
 Generates a synthetic run once (cached under the temp dir): N ranks × M steps × 5 spans (``step``
 with data_fetch, forward, backward, optimizer) plus a loss scalar per step, in the same fields the
 SDK writes. Default 16 × 4000 ≈ 300 MB; ``--big`` ≈ 1 GB; ``--ranks/--steps`` for a smoke run.
-Prints a markdown table; peak RSS is the summarize CLI process tree (parent + pool workers), sampled.
+Prints a markdown table; peak RSS is each CLI's process tree (parent + pool workers), sampled.
+The export rows time Chrome JSON and Perfetto protobuf beside the DuckDB query of the same run.
 
-    .venv/bin/python benchmarks/analysis_throughput.py [--big] [--ranks N --steps M]
+    .venv/bin/python benchmarks/analysis_throughput.py [--big] [--ranks N --steps M] [--repeat N]
+
+DuckDB is imported before anything is timed; with ``--repeat`` each round runs every row in the same
+order and each row shows the median (range) of its seconds and of its ratio to the same round's
+DuckDB query.
 """
 
 from __future__ import annotations
@@ -14,8 +19,8 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,13 +100,17 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
-def cli_summarize(run: Path) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB, whole process tree, sampled every 20 ms) of the CLI."""
+def cli(*args: str) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of an otel-train command: the process tree's sum, sampled every
+    20 ms, or the largest single process (the kernel's exact figure for the child), whichever is more."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([str(CLI), "summarize", str(run), "--json"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(CLI), *args], stdout=subprocess.DEVNULL)
     ps = psutil.Process(proc.pid)
     peak = 0
-    while proc.poll() is None:
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
         try:
             tree = [ps, *ps.children(recursive=True)]
             peak = max(peak, sum(p.memory_info().rss for p in tree if p.is_running()))
@@ -109,10 +118,10 @@ def cli_summarize(run: Path) -> tuple[float, float]:
             pass
         time.sleep(0.02)
     wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise SystemExit(f"otel-train summarize failed with exit code {proc.returncode}")
-    single = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return wall, max(peak / 2**20, single)
+        raise SystemExit(f"otel-train {args[0]} failed with exit code {proc.returncode}")
+    return wall, max(peak / 2**20, usage.ru_maxrss / 1024)
 
 
 def duckdb_query(run: Path) -> object:
@@ -140,10 +149,44 @@ def json_loop(run: Path) -> int:
     return n
 
 
-def export_chrome(run: Path, out: Path) -> object:
-    from otel_train.analysis.chrome import export_trace
+def export(run: Path, fmt: str, out: Path) -> object:
+    from otel_train.analysis.export import export as export_run
 
-    return export_trace(run, out)
+    return export_run(run, fmt, out)
+
+
+def measure(run: Path, cache: Path, skip: set[str]) -> list[tuple[str, float, str]]:
+    """One round: (what, seconds, note) of every row, the DuckDB query first."""
+    rows: list[tuple[str, float, str]] = []
+    t_duck, _ = timed(lambda: duckdb_query(run))
+    rows.append(("DuckDB read_json group-by quantiles", t_duck, ""))
+    t_sum, summary = timed(lambda: summarize(run, warn=print))
+    assert isinstance(summary, dict) and summary["malformed_lines"] == 0
+    rows.append(("summarize (in-process)", t_sum, f"{len(summary['phases'])} phases"))
+    t_cli, rss = cli("summarize", str(run), "--json")
+    rows.append(("`otel-train summarize --json` (subprocess)", t_cli, f"peak RSS {rss:.0f} MB"))
+    if "export" not in skip:
+        for fmt, label, suffix in (("chrome", "Chrome JSON", "json"), ("perfetto", "Perfetto protobuf", "pftrace")):
+            out = cache / f"bench_trace.{suffix}"
+            t_exp, res = timed(lambda: export(run, fmt, out))
+            slices = getattr(res, "slices", 0)
+            rows.append((f"export {label} (in-process)", t_exp,
+                         f"{slices / t_exp:,.0f} slices/s, {out.stat().st_size / 2**20:.0f} MB"))
+            t_cli, rss = cli("export", str(run), "-f", fmt, "-o", str(out))
+            rows.append((f"`otel-train export -f {fmt}` (subprocess)", t_cli, f"peak RSS {rss:.0f} MB"))
+            out.unlink(missing_ok=True)
+    if "json" not in skip:
+        t_json, n = timed(lambda: json_loop(run))
+        rows.append(("plain `json.loads` loop", t_json, f"{n:,} lines"))
+    return rows
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """The median, and the range when there is more than one value."""
+    mid = statistics.median(values)
+    if len(values) == 1:
+        return format(mid, fmt)
+    return f"{format(mid, fmt)} ({format(min(values), fmt)} – {format(max(values), fmt)})"
 
 
 def main() -> None:
@@ -152,6 +195,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=16)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--skip", default="", help="comma list of: export,json")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; each row shows the median (and range)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "otel-train-bench")
     args = parser.parse_args()
     steps = args.steps or (13_500 if args.big else 4000)
@@ -163,29 +207,16 @@ def main() -> None:
     mb = size / 2**20
     print(f"run: {args.ranks} ranks × {steps} steps, {mb:.0f} MB ({t_gen:.1f} s to generate/reuse), "
           f"{os.cpu_count()} CPUs", file=sys.stderr)
+    import duckdb  # noqa: F401 - imported before anything is timed: the import is not the query
 
-    rows: list[tuple[str, float, str]] = []
-    t_duck, _ = timed(lambda: duckdb_query(run))
-    rows.append(("DuckDB read_json group-by quantiles", t_duck, ""))
-    t_sum, summary = timed(lambda: summarize(run, warn=print))
-    assert isinstance(summary, dict) and summary["malformed_lines"] == 0
-    rows.append(("summarize (in-process)", t_sum, f"{len(summary['phases'])} phases"))
-    t_cli, rss = cli_summarize(run)
-    rows.append(("`otel-train summarize --json` (subprocess)", t_cli, f"peak RSS {rss:.0f} MB"))
-    if "export" not in skip:
-        out = args.cache / "bench_trace.json"
-        t_exp, res = timed(lambda: export_chrome(run, out))
-        slices = getattr(res, "slices", 0)
-        rows.append(("export chrome JSON (in-process)", t_exp, f"{slices / t_exp:,.0f} slices/s"))
-        out.unlink(missing_ok=True)
-    if "json" not in skip:
-        t_json, n = timed(lambda: json_loop(run))
-        rows.append(("plain `json.loads` loop", t_json, f"{n:,} lines"))
-
+    rounds = [measure(run, args.cache, skip) for _ in range(args.repeat)]
     print(f"| what ({mb:.0f} MB, {args.ranks} ranks × {steps} steps) | seconds | MB/s | × DuckDB | note |")
     print("|---|---:|---:|---:|---|")
-    for what, secs, note in rows:
-        print(f"| {what} | {secs:.2f} | {mb / secs:.0f} | {secs / t_duck:.2f} | {note} |")
+    for i, (what, _, note) in enumerate(rounds[-1]):
+        secs = [r[i][1] for r in rounds]
+        ratios = [r[i][1] / r[0][1] for r in rounds]  # against the same round's DuckDB query
+        print(f"| {what} | {_spread(secs, '.2f')} | {mb / statistics.median(secs):.0f} | "
+              f"{_spread(ratios, '.2f')} | {note} |")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""otel-train export: Chrome JSON and Perfetto protobuf from real trace files, track layout, validator."""
+"""otel-train export: Chrome JSON and Perfetto protobuf from real trace files, track layout, validator.
+
+The Perfetto output is decoded with Perfetto's own protos (test_perfetto_protos.py)."""
 
 from __future__ import annotations
 
 import json
-import struct
+import random
 import subprocess
 import sys
 import textwrap
@@ -16,9 +18,9 @@ from typer.testing import CliRunner
 
 from analysis_fixtures import Proc, write_run
 from otel_train import schema
-from otel_train.analysis.chrome import export_trace
+from otel_train.analysis.export import export
+from otel_train.analysis.export.layout import assign_tracks, greedy_tracks
 from otel_train.analysis.spans import Span
-from otel_train.analysis.tracks import assign_tracks
 from otel_train.analysis.validate import validate_chrome_trace
 from otel_train.cli import app
 
@@ -89,7 +91,7 @@ def events(trace: dict, ph: str, **match: object) -> list[dict]:
 
 
 def export_json(run: Path, out: Path, **kw: object) -> tuple[dict, object]:
-    result = export_trace(run, out, **kw)
+    result = export(run, "chrome", out, **kw)
     trace = json.loads(out.read_text())
     assert validate_chrome_trace(trace) == []
     return trace, result
@@ -138,15 +140,18 @@ def test_golden_chrome_export(golden_run: Path, tmp_path: Path) -> None:
 
 
 def test_golden_perfetto_export_decodes(golden_run: Path, tmp_path: Path) -> None:
-    chrome = export_trace(golden_run, tmp_path / "t.json")
-    result = export_trace(golden_run, tmp_path / "t.pftrace", fmt="perfetto")
-    decoded = decode_perfetto(result.output.read_bytes())
+    from test_perfetto_protos import decode
+
+    chrome = export(golden_run, "chrome", tmp_path / "t.json")
+    result = export(golden_run, "perfetto", tmp_path / "t.pftrace")
+    decoded = decode(result.output)
     assert (result.slices, result.instants, result.counters) == (chrome.slices, chrome.instants, chrome.counters)
-    assert decoded["begins"] == decoded["ends"] == result.slices
-    assert decoded["instants"] == result.instants and decoded["counters"] == result.counters
-    names = decoded["process_names"]
+    assert len(decoded["slices"]) == result.slices
+    assert len(decoded["instants"]) == result.instants and len(decoded["counters"]) == result.counters
+    names = list(decoded["processes"].values())
     assert len(names) == 2 and all(n.startswith(f"rank {i} (") for i, n in enumerate(names))
-    assert {"step", "forward", "fetch", "decode", "bad", "left_open", "marker"} <= decoded["names"]
+    seen = {s[2] for s in decoded["slices"]} | {i[2] for i in decoded["instants"]}
+    assert {"step", "forward", "fetch", "decode", "bad", "left_open", "marker"} <= seen
 
 
 # ---------------------------------------------------------------- fixture runs: crashes, restarts, filters
@@ -195,10 +200,10 @@ def test_rank_and_step_filters(tmp_path: Path) -> None:
 
 def test_default_output_and_structured_logs_path(tmp_path: Path) -> None:
     run = crashed_run(tmp_path / "run")
-    result = export_trace(run / schema.STRUCTURED_LOGS_DIR)
+    result = export(run / schema.STRUCTURED_LOGS_DIR)
     assert result.output == run / "analysis" / "structured_trace.json"
     assert validate_chrome_trace(result.output) == []
-    result = export_trace(run, fmt="perfetto")
+    result = export(run, "perfetto")
     assert result.output == run / "analysis" / "structured_trace.pftrace"
     assert not list((run / "analysis").glob(".*tmp"))
 
@@ -222,15 +227,15 @@ def test_parallel_export_writes_the_same_bytes(tmp_path: Path, monkeypatch: pyte
     write_run(run, [p], torn_tail=True, garbage={5: b"\x00\xffnot json"})
     empty = run / schema.STRUCTURED_LOGS_DIR / schema.trace_file_name("aux", 1, "20240101-000000", "zzzzzz")
     empty.write_bytes(b"not a record\n")  # sorts before rank 1's training process; its pid stays unused
-    from otel_train.analysis import chrome
+    from otel_train.analysis import export as export_package
     from otel_train.analysis.records import Reader
 
-    serial = export_trace(run, tmp_path / "serial.json", workers=1, reader=Reader(warn=lambda m: None))
-    monkeypatch.setattr(chrome, "PARALLEL_MIN_BYTES", 0)  # a pool even for this small run
+    serial = export(run, "chrome", tmp_path / "serial.json", workers=1, reader=Reader(warn=lambda m: None))
+    monkeypatch.setattr(export_package, "PARALLEL_MIN_BYTES", 0)  # a pool even for this small run
     messages: list[str] = []
     progress: list[int] = []
-    pooled = export_trace(run, tmp_path / "pool.json", workers=2, reader=Reader(warn=messages.append,
-                                                                                 progress=progress.append))
+    pooled = export(run, "chrome", tmp_path / "pool.json", workers=2, reader=Reader(warn=messages.append,
+                                                                                      progress=progress.append))
     assert (tmp_path / "serial.json").read_bytes() == (tmp_path / "pool.json").read_bytes()
     counts = lambda r: (r.slices, r.instants, r.counters, r.processes, r.malformed_lines)  # noqa: E731
     assert counts(pooled) == counts(serial) and serial.processes == 4 and serial.malformed_lines == 3
@@ -291,6 +296,49 @@ def test_every_track_is_strictly_nested(raw: list[tuple[int, int, int, int]]) ->
     assert validate_chrome_trace({"traceEvents": chrome}) == []
 
 
+def _task_spans(rng: random.Random, tids: int, ops: int, mutate: float) -> list[Span]:
+    """Spans of tasks that nest properly per thread (a stack walk), some of them broken on purpose:
+    a wrong parent, an end stretched past the parent's, or (when ``mutate``) zero-length spans and a
+    child ending with its parent, which the sweep moves to another track."""
+    out: list[Span] = []
+    for tid in range(1, tids + 1):
+        t, stack = 0.0, []
+        for _ in range(ops):
+            if stack and rng.random() < 0.5:
+                t += rng.choice([0.0, 1.0, 2.5] if mutate else [1.0, 2.5])
+                stack.pop().end_ts = t
+                continue
+            t += rng.choice([0.0, 1.0, 2.5])
+            parent = stack[-1].span_id if stack else None
+            if rng.random() < mutate:
+                parent = rng.choice([None, "nobody", *(s.span_id for s in out)])
+            s = Span(f"s{len(out)}", f"{tid}-{len(out)}", parent, "t", t, None, "ok", tid, None)
+            out.append(s)
+            stack.append(s)
+        for s in reversed(stack):
+            t += 1.0
+            s.end_ts = t
+        if rng.random() < mutate and out:
+            victim = rng.choice(out)
+            victim.end_ts = (victim.end_ts or 0.0) + rng.choice([0.5, 3.0, 50.0])
+    out.sort(key=lambda s: s.start_ts)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(1, 40), st.sampled_from([0.0, 0.0, 0.05, 0.3]))
+def test_vectorised_tracks_follow_the_sweep(seed: int, tids: int, ops: int, mutate: float) -> None:
+    spans = _task_spans(random.Random(seed), tids, ops, mutate)
+    ends = [s.end_ts for s in spans]
+    tracks, made = assign_tracks(spans, ends)  # numpy, the sweep only for threads that need it
+    swept, reference, _ = greedy_tracks([s.start_ts for s in spans], ends, [s.tid for s in spans],
+                                        [s.span_id for s in spans], [s.parent_span_id for s in spans])
+    assert tracks == swept
+    assert [t.tid for t in made] == [t.tid for t in reference]
+    if mutate == 0.0:
+        assert len(made) == tids  # properly nested tasks: one track per thread
+
+
 # ---------------------------------------------------------------- validator
 
 
@@ -339,7 +387,9 @@ def test_cli_export(tmp_path: Path) -> None:
     out = run / "analysis" / "structured_trace.json"
     assert str(out) in res.output and validate_chrome_trace(out) == []
     res = runner.invoke(app, ["export", str(run), "-f", "perfetto", "-o", str(tmp_path / "x.pftrace")])
-    assert res.exit_code == 0 and decode_perfetto((tmp_path / "x.pftrace").read_bytes())["begins"] > 0
+    from test_perfetto_protos import decode
+
+    assert res.exit_code == 0 and decode(tmp_path / "x.pftrace")["slices"]
     for args, code, needle in [
         (["export", str(tmp_path / "nowhere")], 2, "no such directory"),
         (["export", str(tmp_path)], 2, "no trace files"),
@@ -350,78 +400,3 @@ def test_cli_export(tmp_path: Path) -> None:
         res = runner.invoke(app, args)
         assert res.exit_code == code, res.output
         assert needle in res.output and "Traceback" not in res.output
-
-
-# ---------------------------------------------------------------- a tiny protobuf reader for our own output
-
-
-def _fields(buf: bytes):
-    i = 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        field, wt = key >> 3, key & 7
-        if wt == 0:
-            value, i = _varint(buf, i)
-        elif wt == 1:
-            value, i = struct.unpack_from("<d", buf, i)[0], i + 8
-        elif wt == 2:
-            n, i = _varint(buf, i)
-            value, i = buf[i:i + n], i + n
-        else:
-            raise AssertionError(f"unexpected wire type {wt}")
-        yield field, value
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = result = 0
-    while True:
-        b = buf[i]
-        i += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return result, i
-
-
-def decode_perfetto(data: bytes) -> dict:
-    """Counts of slice begins/ends/instants/counters, names, and per-track bracket checks."""
-    out = {"begins": 0, "ends": 0, "instants": 0, "counters": 0, "names": set(), "process_names": []}
-    interned: dict[int, dict[int, str]] = {}
-    depth: dict[int, int] = {}
-    last_ts: dict[int, int] = {}
-    for field, packet in _fields(data):
-        assert field == 1
-        p = dict(_fields(packet))
-        if 60 in p:
-            td = dict(_fields(p[60]))
-            if 3 in td:
-                out["process_names"].append(dict(_fields(td[3]))[6].decode())
-            continue
-        seq = p[10]
-        names = interned.setdefault(seq, {})
-        if p.get(13, 0) & 1:
-            names.clear()
-        if 12 in p:
-            for f, entry in _fields(p[12]):
-                e = dict(_fields(entry))
-                names[e[1]] = e[2].decode()
-        ev = dict(_fields(p[11]))
-        track = ev[11]
-        assert p[8] >= last_ts.get(seq, 0), "events of a sequence are in time order"
-        last_ts[seq] = p[8]
-        kind = ev[9]
-        if kind == 1:
-            out["begins"] += 1
-            depth[track] = depth.get(track, 0) + 1
-        elif kind == 2:
-            out["ends"] += 1
-            depth[track] -= 1
-            assert depth[track] >= 0, "an end without a begin on its track"
-        elif kind == 3:
-            out["instants"] += 1
-        elif kind == 4:
-            out["counters"] += 1
-        if 10 in ev:
-            out["names"].add(names[ev[10]])
-    assert all(d == 0 for d in depth.values())
-    return out

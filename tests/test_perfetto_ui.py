@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from otel_train.analysis.chrome import export_trace
+from otel_train.analysis.export import export
 from otel_train.analysis.validate import validate_chrome_trace
 from test_export import run_golden
 
@@ -108,7 +108,7 @@ def test_perfetto_ui_loads_export(fmt: str, ui_server, browser, tmp_path_factory
         for rank in (0, 1):
             run_golden(run, rank, 2)
     shots = tmp_path_factory.mktemp("ui_screens")
-    result = export_trace(run, shots / ("t.json" if fmt == "chrome" else "t.pftrace"), fmt=fmt)
+    result = export(run, fmt, shots / ("t.json" if fmt == "chrome" else "t.pftrace"))
     if fmt == "chrome":
         assert validate_chrome_trace(result.output) == []
     url, handler = ui_server

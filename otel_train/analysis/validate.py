@@ -55,76 +55,96 @@ def validate_chrome_trace(trace: Any, *, epsilon_us: float = EPSILON_US, limit: 
         events = trace
     else:
         return [f"a Chrome trace is a JSON object or array, got {type(trace).__name__}"]
-
-    problems: list[str] = []
-    named_pids: set[Any] = set()
-    named_tids: set[tuple[Any, Any]] = set()
-    used_tids: dict[tuple[Any, Any], int] = {}
-    intervals: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
-    open_b: dict[tuple[Any, Any], list[tuple[float, str]]] = {}
-
+    scan = _Scan()
     for i, ev in enumerate(events):
-        where = f"event {i}"
+        scan.event(i, ev)
+    problems = scan.problems + scan.naming_problems()
+    for (pid, tid), spans in scan.intervals.items():
+        problems += _nesting_problems(pid, tid, spans, epsilon_us)
+    if len(problems) > limit:
+        problems = problems[:limit] + [f"... and {len(problems) - limit} more problems"]
+    return problems
+
+
+class _Scan:
+    """One pass over the events: per-event problems, names given, tracks used, slices per track."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.named_pids: set[Any] = set()
+        self.named_tids: set[tuple[Any, Any]] = set()
+        self.used_tids: dict[tuple[Any, Any], int] = {}  # first event index on each (pid, tid)
+        self.intervals: dict[tuple[Any, Any], list[tuple[float, float, str]]] = {}
+        self.open_b: dict[tuple[Any, Any], list[tuple[float, str]]] = {}
+
+    def event(self, i: int, ev: Any) -> None:
         if not isinstance(ev, dict):
-            problems.append(f"{where}: not an object")
-            continue
+            self.problems.append(f"event {i}: not an object")
+            return
         ph = ev.get("ph")
         name = str(ev.get("name", ""))
         where = f"event {i} ({ph} {name!r})"
         if not isinstance(ph, str) or not ph:
-            problems.append(f"{where}: missing phase \"ph\"")
-            continue
+            self.problems.append(f"{where}: missing phase \"ph\"")
+        elif ph == "M":
+            self._metadata(ev, name)
+        elif ph in _TIMED_PHASES and not _finite(ev.get("ts")):
+            self.problems.append(f"{where}: ts {ev.get('ts')!r} is not a finite number")
+        elif ph == "C":
+            self._counter(i, ev, where)
+        else:
+            self._slice(i, ev, ph, name, where)
+
+    def _metadata(self, ev: dict, name: str) -> None:
+        args = ev.get("args")
+        if not (isinstance(args, dict) and isinstance(args.get("name"), str)):
+            return
+        if name == "process_name":
+            self.named_pids.add(ev.get("pid"))
+        elif name == "thread_name":
+            self.named_tids.add((ev.get("pid"), ev.get("tid")))
+
+    def _counter(self, i: int, ev: dict, where: str) -> None:
+        args = ev.get("args")
+        if not isinstance(args, dict) or not args:
+            self.problems.append(f"{where}: counter without args")
+        else:
+            self.problems += [f"{where}: counter value {k}={v!r} is not a finite number"
+                              for k, v in args.items() if not _finite(v)]
+        self.used_tids.setdefault((ev.get("pid"), None), i)
+
+    def _slice(self, i: int, ev: dict, ph: str, name: str, where: str) -> None:
         pid, tid = ev.get("pid"), ev.get("tid")
-        if ph == "M":
-            args = ev.get("args")
-            if name == "process_name" and isinstance(args, dict) and isinstance(args.get("name"), str):
-                named_pids.add(pid)
-            elif name == "thread_name" and isinstance(args, dict) and isinstance(args.get("name"), str):
-                named_tids.add((pid, tid))
-            continue
-        if ph in _TIMED_PHASES and not _finite(ev.get("ts")):
-            problems.append(f"{where}: ts {ev.get('ts')!r} is not a finite number")
-            continue
         ts = ev.get("ts", 0)
-        if ph == "C":
-            args = ev.get("args")
-            if not isinstance(args, dict) or not args:
-                problems.append(f"{where}: counter without args")
-            else:
-                problems += [f"{where}: counter value {k}={v!r} is not a finite number"
-                             for k, v in args.items() if not _finite(v)]
-            used_tids.setdefault((pid, None), i)
-            continue
         if ph in _SLICE_PHASES or (ph in ("i", "I") and ev.get("s", "t") == "t"):
-            used_tids.setdefault((pid, tid), i)
+            self.used_tids.setdefault((pid, tid), i)
         if ph == "X":
             dur = ev.get("dur")
             if not _finite(dur) or dur < 0:
-                problems.append(f"{where}: dur {dur!r} must be a finite number >= 0")
-                continue
-            intervals.setdefault((pid, tid), []).append((ts, ts + dur, name))
+                self.problems.append(f"{where}: dur {dur!r} must be a finite number >= 0")
+                return
+            self.intervals.setdefault((pid, tid), []).append((ts, ts + dur, name))
         elif ph == "B":
-            open_b.setdefault((pid, tid), []).append((ts, name))
+            self.open_b.setdefault((pid, tid), []).append((ts, name))
         elif ph == "E":
-            stack = open_b.get((pid, tid))
+            stack = self.open_b.get((pid, tid))
             if not stack:
-                problems.append(f"{where}: end event without a matching begin on pid {pid} tid {tid}")
-                continue
+                self.problems.append(f"{where}: end event without a matching begin on pid {pid} tid {tid}")
+                return
             start, bname = stack.pop()
-            intervals.setdefault((pid, tid), []).append((start, ts, bname))
+            self.intervals.setdefault((pid, tid), []).append((start, ts, bname))
 
-    for (pid, tid), first in used_tids.items():
-        if pid not in named_pids:
-            problems.append(f"event {first}: pid {pid} has no process_name metadata")
-            named_pids.add(pid)  # one report per pid
-        if tid is not None and (pid, tid) not in named_tids:
-            problems.append(f"event {first}: pid {pid} tid {tid} has no thread_name metadata")
-    for (pid, tid), spans in intervals.items():
-        problems += _nesting_problems(pid, tid, spans, epsilon_us)
-
-    if len(problems) > limit:
-        problems = problems[:limit] + [f"... and {len(problems) - limit} more problems"]
-    return problems
+    def naming_problems(self) -> list[str]:
+        """Every pid, and every (pid, tid) with a tid, carrying events must be named by metadata."""
+        out = []
+        named_pids = set(self.named_pids)
+        for (pid, tid), first in self.used_tids.items():
+            if pid not in named_pids:
+                out.append(f"event {first}: pid {pid} has no process_name metadata")
+                named_pids.add(pid)  # one report per pid
+            if tid is not None and (pid, tid) not in self.named_tids:
+                out.append(f"event {first}: pid {pid} tid {tid} has no thread_name metadata")
+        return out
 
 
 def _nesting_problems(pid: Any, tid: Any, spans: list[tuple[float, float, str]], eps: float) -> list[str]:

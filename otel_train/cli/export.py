@@ -7,13 +7,10 @@ from typing import Optional
 
 import typer
 
-from otel_train.analysis.chrome import FORMATS, default_output, export_trace
+from otel_train.analysis.export import FORMATS, export as export_run
 from otel_train.analysis.records import Reader
 from otel_train.cli._app import app
 from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
-
-
-OTLP_JSON = "otlp-json"
 
 
 def parse_ranks(text: str) -> set[int]:
@@ -59,26 +56,16 @@ def export(
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
-        if fmt not in FORMATS + (OTLP_JSON,):
-            fail(f"--format {fmt!r}: use one of {', '.join(FORMATS + (OTLP_JSON,))}")
+        if fmt not in FORMATS:
+            fail(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
         try:
             rank_set = parse_ranks(ranks) if ranks is not None else None
             step_range = parse_steps(steps) if steps is not None else None
         except ValueError as exc:
             fail(str(exc))
-        if fmt == OTLP_JSON:
-            from otel_train.analysis.otlp_replay import export_otlp_json  # protobuf stack: only when asked
-
-            out = output if output is not None else default_output(path, OTLP_JSON)
-            with byte_progress(path, "exporting") as progress:
-                reader = Reader(warn=warn, progress=progress)
-                spans = export_otlp_json(path, out, ranks=rank_set, steps=step_range, reader=reader)
-            note_malformed(reader.malformed_lines)
-            typer.echo(f"wrote {out}: {spans} spans (OTLP/JSON)")
-            return
         with byte_progress(path, "exporting") as progress:
             reader = Reader(warn=warn, progress=progress)
-            result = export_trace(path, output, fmt=fmt, ranks=rank_set, steps=step_range, reader=reader)
+            result = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader)
         note_malformed(result.malformed_lines)
         if result.processes == 0:
             warn("warning: no process matched --ranks; the trace is empty")

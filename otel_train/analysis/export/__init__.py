@@ -1,1 +1,190 @@
-"""Export a run for trace viewers and OTLP backends: ``export(path, fmt, ...)`` (being moved here)."""
+"""Export a run for trace viewers and OTLP backends: ``export(path, fmt, ...)`` (docs/export.md).
+
+The formats are leaves that share only :mod:`.layout`: ``chrome`` (Chrome trace JSON) and ``perfetto``
+(Perfetto protobuf) render one process at a time, so a big run is rendered by a pool of workers into
+part files that are appended in process order (byte for byte the serial output); ``otlp-json`` streams
+the run's SDK spans. Every format is written next to the output and renamed into place.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import IO
+
+from otel_train import schema
+from otel_train.analysis.export import chrome, perfetto
+from otel_train.analysis.export.layout import Counts
+from otel_train.analysis.records import ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
+from otel_train.analysis.spans import PARALLEL_MIN_BYTES, iter_processes, pool_context, process_order, read_process
+
+FORMATS = ("chrome", "perfetto", "otlp-json")
+ANALYSIS_DIR = "analysis"
+DEFAULT_NAMES = {"chrome": "structured_trace.json", "perfetto": "structured_trace.pftrace",
+                 "otlp-json": "structured_trace.otlp.json"}
+_RENDERERS: dict[str, ModuleType] = {"chrome": chrome, "perfetto": perfetto}
+"""Formats written one process at a time: ``HEAD``, ``render`` per process joined by ``SEPARATOR``, ``tail``."""
+
+Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class ExportResult:
+    """What an export wrote: counts of events by kind, and where."""
+
+    slices: int
+    instants: int
+    counters: int
+    processes: int
+    output: Path
+    malformed_lines: int = 0
+
+
+def default_output(path: str | Path, fmt: str = "chrome") -> Path:
+    """``<run>/analysis/structured_trace.json`` (``.pftrace``, ``.otlp.json``) for a run or logs dir."""
+    logs = logs_dir(path)
+    run = logs.parent if logs.name == schema.STRUCTURED_LOGS_DIR else logs
+    return run / ANALYSIS_DIR / DEFAULT_NAMES[fmt]
+
+
+def export(
+    path: str | Path,
+    fmt: str = "chrome",
+    output: str | Path | None = None,
+    *,
+    ranks: set[int] | None = None,
+    steps: tuple[int, int] | None = None,
+    reader: Reader | None = None,
+    workers: int | None = None,
+) -> ExportResult:
+    """Write the run at ``path`` as ``fmt`` (one of :data:`FORMATS`) to ``output`` (default:
+    :func:`default_output`); only ``ranks`` and steps ``lo..hi`` when given.
+
+    Raises TraceReadError when ``path`` holds no trace files, ValueError for an unknown format. The
+    file is written next to ``output`` and renamed into place, so a failed export leaves no torn file.
+    ``workers`` (default: CPU count) > 1 renders the processes of a large run in parallel.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(FORMATS)}")
+    reader = reader if reader is not None else Reader()
+    out = Path(output) if output is not None else default_output(path, fmt)
+    origin_us = int(trace_origin(path, ranks) * 1e6)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb", buffering=1 << 20) as f:
+            if fmt in _RENDERERS:
+                counts = _write_rendered(_RENDERERS[fmt], fmt, path, f, origin_us, reader, ranks, steps, workers)
+            else:
+                from otel_train.analysis.export import otlp_json  # the OTel/protobuf stack: only when asked
+
+                counts = otlp_json.write(iter_processes(path, reader, ranks=ranks, steps=steps), f)
+        os.replace(tmp, out)
+    except OSError as exc:
+        if exc.filename == str(tmp):  # name the file the user asked for, not our temporary
+            raise OSError(exc.errno, exc.strerror, str(out)) from None
+        raise
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ExportResult(*counts, out, reader.malformed_lines)
+
+
+def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:
+    """Earliest Unix time in the run, from the head of each process's oldest segment.
+
+    A span whose start record rotated away starts ``dur_ms`` before its end record, so the first
+    records' durations are taken into account.
+    """
+    best = math.inf
+    for pf in find_process_files(path, warn=lambda _msg: None):
+        if ranks is not None and pf.rank not in ranks:
+            continue
+        for rec in peek(pf):
+            ts = rec.ts
+            if type(rec) is SpanEnd and rec.dur_ms is not None:
+                ts -= rec.dur_ms / 1000.0
+            best = min(best, ts)
+    return 0.0 if best == math.inf else best
+
+
+def _write_rendered(
+    renderer: ModuleType,
+    fmt: str,
+    path: str | Path,
+    f: IO[bytes],
+    origin_us: int,
+    reader: Reader,
+    ranks: set[int] | None,
+    steps: tuple[int, int] | None,
+    workers: int | None,
+) -> Counts:
+    """The whole run, process ``i`` of the run's order with pid ``i + 1``: rendered here, or for a large
+    run by a pool of workers into part files appended here in order."""
+    order = process_order(path, ranks, reader.bad.warn)
+    totals = [0, 0, 0, 0]
+    f.write(renderer.HEAD)
+    for counts, rendered in _rendered(order, fmt, f, origin_us, reader, steps, workers):
+        if totals[3]:
+            f.write(renderer.SEPARATOR)
+        if isinstance(rendered, bytes):
+            f.write(rendered)
+        else:  # a worker's part file
+            with open(rendered, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+            os.unlink(rendered)
+        totals = [a + b for a, b in zip(totals, counts)]
+    f.write(renderer.tail(origin_us, totals[3], reader.malformed_lines))
+    return Counts(*totals)
+
+
+def _rendered(
+    order: list[tuple[ProcessFiles, int, object]],
+    fmt: str,
+    f: IO[bytes],
+    origin_us: int,
+    reader: Reader,
+    steps: tuple[int, int] | None,
+    workers: int | None,
+) -> Iterator[tuple[Counts, bytes | str]]:
+    """Each process with records, in order: its counts, and its bytes or the part file holding them."""
+    sizes = [pf.size for pf, _, _ in order]
+    workers = min(workers or os.cpu_count() or 1, len(order))
+    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
+        for index, (pf, attempt, meta) in enumerate(order):
+            state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
+            if state.records:
+                data, counts = _RENDERERS[fmt].render(state, index, origin_us)
+                yield counts, data
+        return
+    stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
+    tasks: list[Task] = [(pf, attempt, index, origin_us, steps, fmt, f"{stem}{index}")
+                         for index, (pf, attempt, _) in enumerate(order)]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
+            for size, (counts, malformed, warnings, part) in zip(sizes, pool.map(_render_task, tasks)):
+                reader.absorb(malformed, warnings, size)
+                if part is not None:
+                    yield counts, part
+    finally:
+        for task in tasks:
+            Path(task[-1]).unlink(missing_ok=True)
+
+
+def _render_task(task: Task) -> tuple[Counts, int, list[str], str | None]:
+    """Worker: read and render one process into a part file; (counts, malformed, warnings, part)."""
+    pf, attempt, index, origin_us, steps, fmt, part = task
+    warnings: list[str] = []
+    reader = Reader(warn=warnings.append)
+    state = read_process(pf, attempt, reader, keep=True, steps=steps)
+    if not state.records:
+        return Counts(0, 0, 0, 0), reader.malformed_lines, warnings, None
+    data, counts = _RENDERERS[fmt].render(state, index, origin_us)
+    with open(part, "wb") as out:
+        out.write(data)
+    return counts, reader.malformed_lines, warnings, part

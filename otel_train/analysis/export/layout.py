@@ -1,8 +1,43 @@
-"""What every export format shares (being moved here): counts, tracks, counters."""
+"""What every export format shares: a process laid out as columns, ready to write (docs/export.md).
+
+Perfetto and chrome://tracing draw a track as a stack: two slices on it must either be disjoint or
+one must contain the other, or the viewer drops or spills them. Spans of one task nest naturally,
+but concurrent tasks (threads, asyncio tasks) overlap without nesting, so they need tracks of their
+own. The rule (:func:`greedy_tracks`) is a sweep in start order: a span joins its parent's track when
+the parent is the innermost open slice there (same thread, and the parent contains it), else the
+first idle track of its thread, else a new track; sequential tasks therefore reuse tracks.
+
+:func:`track_columns` applies that rule with numpy: a thread whose spans all satisfy it on one track
+(every span starts on an idle track or inside its parent, the innermost open span) is checked with
+array operations and gets one track; only threads with overlapping tasks run the sweep itself.
+
+:func:`layout_process` turns a finished ``ProcessState`` into what every writer emits: display names,
+synthetic pid, tracks, and columns of spans (whole-µs start and effective end, track, name, step,
+status and attribute codes), instants and counter samples.
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from itertools import repeat
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+
+from otel_train import schema
+from otel_train.analysis.records import Instant, Scalar
+from otel_train.analysis.spans import ProcessState, Span
+
+DEFAULT_SOURCE = "training"
+TID_STRIDE = 100_000
+"""Track k of process pid gets tid ``pid * TID_STRIDE + k + 1``: unique across the whole trace."""
+NO_STEP = -1
+"""Step column value of a span, instant or counter recorded outside any step."""
+
+_encode = msgspec.json.Encoder().encode
 
 
 class Counts(NamedTuple):
@@ -12,3 +47,390 @@ class Counts(NamedTuple):
     instants: int
     counters: int
     processes: int
+
+
+@dataclass(slots=True)
+class Track:
+    """One drawable track: a thread's slices, or one of its concurrent tasks."""
+
+    index: int
+    tid: int | None
+    name: str = ""
+
+
+class Codes:
+    """Values numbered in order of first appearance: ``codes(keys)`` -> int array; ``values`` is the table."""
+
+    __slots__ = ("index", "values")
+
+    def __init__(self) -> None:
+        self.index: dict[Hashable, int] = {}
+        self.values: list[Any] = []
+
+    def __call__(self, keys: Iterable[Hashable], values: Iterable[Any] | None = None) -> np.ndarray:
+        """Codes of ``keys``; a new key's table entry is its value in ``values`` (default: the key),
+        any of them for a key seen twice (equal keys must stand for equal values)."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        index = self.index
+        seen = dict(zip(keys, values)) if values is not None else dict.fromkeys(keys)
+        for key, value in seen.items():
+            if key not in index:
+                index[key] = len(index)
+                self.values.append(key if values is None else value)
+        return np.fromiter(map(index.__getitem__, keys), np.int64, len(keys))
+
+
+def whole_us(ts: np.ndarray) -> np.ndarray:
+    """Unix seconds to whole Unix microseconds, rounded half up (rounding is monotonic: nesting survives)."""
+    return np.floor(ts * 1e6 + 0.5).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracks
+
+
+def greedy_tracks(starts: Sequence[float], ends: Sequence[float], tids: Sequence[int | None],
+                  ids: Sequence[str | None], parents: Sequence[str | None]) -> tuple[list[int], list[Track], list[int]]:
+    """The track rule as a sweep (see the module doc): each span's track, the tracks, and the span
+    that opened each track. Spans must be in start order; ``ends`` are effective ends."""
+    tracks: list[Track] = []
+    stacks: list[tuple[list[float], list[str | None]]] = []  # open ends and ids per track, outermost first
+    by_tid: dict[int | None, list[int]] = {}
+    track_of: dict[str | None, int] = {}
+    out: list[int] = []
+    opened: list[int] = []
+    for i, (start, end, tid, sid, parent) in enumerate(zip(starts, ends, tids, ids, parents)):
+        index = track_of.get(parent) if parent else None
+        if index is not None:  # the parent's track, if the parent is its innermost open slice and contains us
+            if tracks[index].tid != tid or not _settle(stacks[index], start, parent, end):
+                index = None
+        if index is None:  # the first track of this thread with no slice open at ``start``
+            index = next((k for k in by_tid.get(tid, ()) if not _settle(stacks[k], start, None, end)), None)
+        if index is None:
+            index = len(tracks)
+            tracks.append(Track(index, tid))
+            stacks.append(([], []))
+            by_tid.setdefault(tid, []).append(index)
+            opened.append(i)
+        stacks[index][0].append(end)
+        stacks[index][1].append(sid)
+        track_of[sid] = index
+        out.append(index)
+    return out, tracks, opened
+
+
+def _settle(stack: tuple[list[float], list[str | None]], start: float, parent: str | None, end: float) -> bool:
+    """Close the slices of a track that ended at or before ``start``; then, whether ``parent`` is its
+    innermost open slice and contains ``end`` (``parent`` None: whether anything is open)."""
+    ends, ids = stack
+    while ends and ends[-1] <= start:
+        ends.pop()
+        ids.pop()
+    if parent is None:
+        return bool(ends)
+    return bool(ids) and ids[-1] == parent and end <= ends[-1]
+
+
+def track_columns(start: np.ndarray, end: np.ndarray, tids: Sequence[int | None], ids: Sequence[str | None],
+                  parents: Sequence[str | None]) -> tuple[np.ndarray, list[Track]]:
+    """Track index of every span (in start order, ``end`` effective) and the tracks, named; the same
+    result as :func:`greedy_tracks`, with the sweep run only for threads that need more than one track."""
+    return _tracks(start, end, tids, ids, parents, dict(zip(ids, range(len(start)))))
+
+
+def _tracks(start: np.ndarray, end: np.ndarray, tids: Sequence[int | None], ids: Sequence[str | None],
+            parents: Sequence[str | None], position: dict[str | None, int]) -> tuple[np.ndarray, list[Track]]:
+    """:func:`track_columns`, given each span id's (last) index."""
+    n = len(start)
+    tid_codes = Codes()
+    thread = tid_codes(tids)
+    if len(position) != n:  # a span id used twice: the sweep's "latest span with that id" rule decides
+        out, tracks, _ = greedy_tracks(start.tolist(), end.tolist(), tids, ids, parents)
+        _name_tracks(tracks)
+        return np.asarray(out, np.int64), tracks
+    if None in position or "" in position:  # an empty span id is nobody's parent
+        parent = np.fromiter((position.get(p, -1) if p else -1 for p in parents), np.int64, n)
+    else:
+        parent = np.fromiter(map(position.get, parents, repeat(-1)), np.int64, n)
+    single = _single_track_threads(start, end, thread, parent, len(tid_codes.values))
+    # Every track with the span that opened it: a one-track thread's opens at the thread's first span.
+    first_of_thread = np.unique(thread, return_index=True)[1]
+    opening = [(int(first_of_thread[c]), tid_codes.values[c], -1 - int(c)) for c in np.flatnonzero(single)]
+    slow = np.flatnonzero(~single[thread])
+    local = np.zeros(0, np.int64)
+    if len(slow):
+        swept, made, first = greedy_tracks(start[slow].tolist(), end[slow].tolist(), [tids[i] for i in slow],
+                                           [ids[i] for i in slow], [parents[i] for i in slow])
+        local = np.asarray(swept, np.int64)
+        opening += [(int(slow[f]), t.tid, t.index) for f, t in zip(first, made)]
+    opening.sort()
+    tracks = [Track(index, tid) for index, (_, tid, _) in enumerate(opening)]
+    _name_tracks(tracks)
+    of_thread = np.zeros(len(single), np.int64)
+    of_local = np.zeros(len(opening), np.int64)
+    for index, (_, _, key) in enumerate(opening):
+        if key < 0:
+            of_thread[-1 - key] = index
+        else:
+            of_local[key] = index
+    track = of_thread[thread]
+    track[slow] = of_local[local]
+    return track, tracks
+
+
+def _single_track_threads(start: np.ndarray, end: np.ndarray, thread: np.ndarray, parent: np.ndarray,
+                          threads: int) -> np.ndarray:
+    """Per thread code: whether the sweep puts all its spans on one track.
+
+    It does when every span starts on an idle track (all earlier spans of the thread ended by its
+    start) or inside its parent, which is then the innermost open span: the parent is earlier on the
+    same thread, open at the start (ends after it), contains the span, and every span between the
+    two ended by the start.
+    """
+    n = len(start)
+    order = np.argsort(thread, kind="stable")  # threads' spans contiguous, each in start order
+    rank = np.empty(n, np.int64)
+    rank[order] = np.arange(n)
+    s, e, t = start[order], end[order], thread[order]
+    first = np.searchsorted(t, t, side="left")  # where each span's thread begins
+    pos = np.arange(n)
+    idle = _range_max(e, first, pos) <= s
+    p = np.where(parent[order] >= 0, rank[np.maximum(parent[order], 0)], -1)
+    valid = (p >= first) & (p < pos)
+    pe = e[np.maximum(p, 0)]
+    inside = valid & (pe > s) & (e <= pe) & (_range_max(e, np.maximum(p, 0) + 1, pos) <= s)
+    bad = np.bincount(t[~(idle | inside)], minlength=threads)
+    return bad == 0
+
+
+def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``max(values[lo[i]:hi[i]])`` for every i (-inf for an empty range): a sparse table, level by level."""
+    out = np.full(len(lo), -np.inf)
+    length = hi - lo
+    level = values
+    k = 0
+    while True:
+        width = 1 << k
+        # Queries whose length has its top bit at k: two overlapping windows of ``width`` cover them.
+        ask = (length >= width) & (length < 2 * width)
+        if ask.any():
+            a, b = lo[ask], hi[ask] - width
+            out[ask] = np.maximum(level[a], level[b])
+        if 2 * width > length.max(initial=0):
+            return out
+        level = np.maximum(level[:-width], level[width:])
+        k += 1
+
+
+def _name_tracks(tracks: list[Track]) -> None:
+    per_tid: dict[int | None, int] = {}
+    for track in tracks:
+        k = per_tid[track.tid] = per_tid.get(track.tid, 0) + 1
+        base = "main" if track.tid is None else f"thread {track.tid}"
+        track.name = base if k == 1 else f"{base} · task {k}"
+
+
+def assign_tracks(spans: Sequence[Span], ends: Sequence[float]) -> tuple[list[int], list[Track]]:
+    """Track index of every span (``spans`` in start order, ``ends[i]`` span i's effective end) and the
+    tracks made; every track is strictly nested."""
+    start = np.fromiter((s.start_ts for s in spans), np.float64, len(spans))
+    track, tracks = track_columns(start, np.asarray(ends, np.float64), [s.tid for s in spans],
+                                  [s.span_id for s in spans], [s.parent_span_id for s in spans])
+    return track.tolist(), tracks
+
+
+# ---------------------------------------------------------------------------------------------
+# A process as columns
+
+
+@dataclass(slots=True)
+class SpanColumns:
+    """A process's spans in start order: whole Unix µs, codes into the layout's tables, sparse extras."""
+
+    start_us: np.ndarray
+    end_us: np.ndarray  # effective end: an unclosed span runs to the process's last record
+    track: np.ndarray
+    name: np.ndarray  # codes into ProcessLayout.names
+    step: np.ndarray  # NO_STEP when none
+    status: np.ndarray  # codes into ProcessLayout.statuses
+    attrs: np.ndarray  # codes into ProcessLayout.attrs; -1 when none or empty
+    incomplete: np.ndarray  # bool: no end record, or ended as incomplete by shutdown
+    failed: np.ndarray  # bool: an error, drawn red
+    span_ids: list[str]
+    errors: dict[int, dict[str, Any]] = field(default_factory=dict)  # span index -> error
+
+
+@dataclass(slots=True)
+class InstantColumns:
+    """A process's instants in record order: whole Unix µs, track, name code, args (step first)."""
+
+    ts_us: np.ndarray
+    track: np.ndarray
+    name: np.ndarray
+    args: list[dict[str, Any]]
+
+
+@dataclass(slots=True)
+class CounterColumns:
+    """A process's counter samples in record order: whole Unix µs, key code, value (int or float)."""
+
+    ts_us: np.ndarray
+    key: np.ndarray  # codes into ProcessLayout.counter_keys
+    values: list[int | float]
+
+
+@dataclass(slots=True)
+class ProcessLayout:
+    """A process ready to write (see the module doc)."""
+
+    index: int  # 0-based position in the export; the synthetic pid is index + 1
+    name: str
+    labels: str
+    tracks: list[Track]
+    spans: SpanColumns
+    instants: InstantColumns
+    counters: CounterColumns
+    names: list[str]  # span and instant names
+    statuses: list[str]
+    attrs: list[dict[str, Any]]
+    counter_keys: list[str]
+
+    @property
+    def pid(self) -> int:
+        """Synthetic pid: real pids collide across hosts and containers."""
+        return self.index + 1
+
+
+def track_tid(pid: int, track_index: int) -> int:
+    """The trace-wide thread id of a process's track."""
+    return pid * TID_STRIDE + track_index + 1
+
+
+def process_name(trace: ProcessState) -> str:
+    """``rank 3``, ``rank 3 (attempt 1)``; the source is added when it is not the default one."""
+    name = f"rank {trace.rank}"
+    if trace.source != DEFAULT_SOURCE:
+        name = f"{trace.source} {name}"
+    if trace.attempt:
+        name += f" (attempt {trace.attempt})"
+    return name
+
+
+def process_labels(trace: ProcessState) -> str:
+    """Host and real pid, shown next to the process name."""
+    parts = []
+    if trace.host:
+        parts.append(str(trace.host))
+    if trace.pid is not None:
+        parts.append(f"pid {trace.pid}")
+    return ", ".join(parts)
+
+
+def layout_process(trace: ProcessState, index: int) -> ProcessLayout:
+    """Columns, tracks and display names of one finished ``keep=True`` process state."""
+    names, statuses, attrs = Codes(), Codes(), Codes()
+    spans, tracks, position = _span_columns(trace, names, statuses, attrs)
+    instants = _instant_columns(trace.instants, spans.track, position, tracks, names)
+    counters, keys = _counter_columns(trace.scalars)
+    return ProcessLayout(index, process_name(trace), process_labels(trace), tracks, spans, instants, counters,
+                         names.values, statuses.values, attrs.values, keys)
+
+
+def _span_columns(trace: ProcessState, names: Codes, statuses: Codes, attrs: Codes
+                  ) -> tuple[SpanColumns, list[Track], dict[str | None, int]]:
+    spans = trace.spans
+    n = len(spans)
+    start = np.fromiter((s.start_ts for s in spans), np.float64, n)
+    if n > 1 and bool((start[1:] < start[:-1]).any()):
+        order = np.argsort(start, kind="stable")
+        spans = trace.spans = [spans[i] for i in order]
+        start = start[order]
+    closed = np.array([s.end_ts for s in spans], np.float64)  # None (still open) -> nan
+    last = trace.last_ts if trace.last_ts is not None else 0.0
+    # Unclosed spans run to the last timestamp; a clock step backwards never gives a negative length.
+    end = np.maximum(start, np.where(np.isnan(closed), last, closed))
+    ids = [s.span_id for s in spans]
+    position = dict(zip(ids, range(n)))
+    track, tracks = _tracks(start, end, [s.tid for s in spans], ids, [s.parent_span_id for s in spans], position)
+    attr_list = [s.attrs for s in spans]
+    attr_codes = attrs(map(_encode, attr_list), attr_list)
+    empty = [i for i, a in enumerate(attrs.values) if not a]
+    status = statuses([s.status for s in spans])
+    error_list = [s.error for s in spans]
+    errors = {} if error_list.count(None) == n else {i: e for i, e in enumerate(error_list) if e is not None}
+    failed = status == statuses.index.get(schema.STATUS_ERROR, -1)
+    failed[list(errors)] = True
+    columns = SpanColumns(
+        start_us=whole_us(start), end_us=whole_us(end), track=track, name=names([s.name for s in spans]),
+        step=_steps([s.step for s in spans]),
+        status=status, attrs=np.where(np.isin(attr_codes, empty), -1, attr_codes),
+        incomplete=np.isnan(closed) | (status == statuses.index.get(schema.STATUS_INCOMPLETE, -1)),
+        failed=failed, span_ids=[sid or "" for sid in ids] if None in position else ids, errors=errors,
+    )
+    return columns, tracks, position
+
+
+def _steps(steps: list[int | None]) -> np.ndarray:
+    """A step column: None -> NO_STEP (steps are at most 2**53, exact in float64)."""
+    values = np.array(steps, np.float64)
+    return np.where(np.isnan(values), NO_STEP, values).astype(np.int64)
+
+
+def _instant_columns(recs: list[Instant], span_track: np.ndarray, position: dict[str | None, int],
+                     tracks: list[Track], names: Codes) -> InstantColumns:
+    """An instant goes on its enclosing span's track, else its thread's first track, else a new one."""
+    first_of_tid: dict[int | None, int] = {}
+    for track in tracks:
+        first_of_tid.setdefault(track.tid, track.index)
+    out = []
+    for rec in recs:
+        i = position.get(rec.span_id or "")
+        if i is not None:
+            out.append(int(span_track[i]))
+            continue
+        index = first_of_tid.get(rec.tid)
+        if index is None:
+            index = first_of_tid[rec.tid] = len(tracks)
+            tracks.append(Track(index, rec.tid))
+            _name_tracks(tracks)
+        out.append(index)
+    args = [_instant_args(rec) for rec in recs]
+    ts = np.fromiter((r.ts for r in recs), np.float64, len(recs))
+    return InstantColumns(whole_us(ts), np.asarray(out, np.int64), names([r.name for r in recs]), args)
+
+
+def _instant_args(rec: Instant) -> dict[str, Any]:
+    args: dict[str, Any] = {}
+    if rec.step is not None:
+        args[schema.STEP] = rec.step
+    if rec.attrs:
+        args.update(rec.attrs)
+    return args
+
+
+def scalar_values(rec: Scalar) -> list[tuple[str, float | int]]:
+    """The numeric, finite values of a scalar record (bools as 0/1); anything else is skipped."""
+    values = rec.values
+    if not values:
+        return []
+    out = []
+    for key, value in values.items():
+        if type(value) is bool:
+            value = int(value)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out.append((str(key), value))
+    return out
+
+
+def _counter_columns(scalars: list[Scalar]) -> tuple[CounterColumns, list[str]]:
+    ts: list[float] = []
+    keys: list[str] = []
+    values: list[int | float] = []
+    for rec in scalars:
+        for key, value in scalar_values(rec):
+            ts.append(rec.ts)
+            keys.append(key)
+            values.append(value)
+    codes = Codes()
+    key = codes(keys)
+    return CounterColumns(whole_us(np.asarray(ts, np.float64)), key, values), codes.values

@@ -1,0 +1,420 @@
+"""Perfetto's native trace format: a stream of ``TracePacket`` protobufs, encoded from columns.
+
+Field numbers come from perfetto's ``trace_packet.proto``, ``track_event.proto``,
+``track_descriptor.proto``, ``process_descriptor.proto``, ``thread_descriptor.proto``,
+``counter_descriptor.proto``, ``interned_data.proto`` and ``debug_annotation.proto`` (the test decodes
+our output with the ``perfetto`` package's own generated classes).
+
+Each process is one trusted packet sequence (id: the synthetic pid) whose first packet interns all
+its event names. Its events are in time order, and on each track a slice's end comes before the next
+begin at the same timestamp (every track is strictly nested), so the trace processor never reorders
+a track. Timestamps are absolute Unix nanoseconds at microsecond resolution (the UI shows them
+relative to the trace start itself), so the same layout as the Chrome JSON export survives exactly.
+
+Packets are not built one by one: :class:`Rows` lays out one packet per row as parts (a constant, a
+column of varints, per-row slices of a byte buffer), and writes thousands of rows at a time through
+a padded byte matrix and a mask (docs/export.md).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import msgspec
+import numpy as np
+
+from otel_train import schema
+from otel_train.analysis.export.layout import NO_STEP, Counts, ProcessLayout, layout_process, track_tid
+from otel_train.analysis.spans import ProcessState
+
+# Trace
+TRACE_PACKET = 1
+# TracePacket
+PKT_TIMESTAMP = 8
+PKT_SEQUENCE_ID = 10
+PKT_TRACK_EVENT = 11
+PKT_INTERNED_DATA = 12
+PKT_SEQUENCE_FLAGS = 13
+PKT_TRACK_DESCRIPTOR = 60
+SEQ_INCREMENTAL_STATE_CLEARED = 1
+SEQ_NEEDS_INCREMENTAL_STATE = 2
+# TrackDescriptor / ProcessDescriptor / ThreadDescriptor / CounterDescriptor
+TD_UUID = 1
+TD_NAME = 2
+TD_PROCESS = 3
+TD_THREAD = 4
+TD_PARENT_UUID = 5
+TD_COUNTER = 8
+PD_PID = 1
+PD_NAME = 6
+THD_PID = 1
+THD_TID = 2
+THD_NAME = 5
+# TrackEvent
+TE_DEBUG_ANNOTATIONS = 4
+TE_TYPE = 9
+TE_NAME_IID = 10
+TE_TRACK_UUID = 11
+TE_DOUBLE_COUNTER_VALUE = 44
+TYPE_SLICE_BEGIN = 1
+TYPE_SLICE_END = 2
+TYPE_INSTANT = 3
+TYPE_COUNTER = 4
+# InternedData / EventName
+ID_EVENT_NAMES = 2
+EN_IID = 1
+EN_NAME = 2
+# DebugAnnotation
+DA_BOOL = 2
+DA_INT = 4
+DA_DOUBLE = 5
+DA_STRING = 6
+DA_NAME = 10
+
+HEAD = b""
+"""A protobuf stream has no header ..."""
+SEPARATOR = b""
+"""... nor separators: packets simply follow each other."""
+
+_WT_VARINT, _WT_I64, _WT_LEN = 0, 1, 2
+_UUID_STRIDE = 1 << 24
+_COUNTER_UUID_BASE = 1 << 23
+_INT64_MAX = (1 << 63) - 1
+_CHUNK_ROWS = 4096
+_CHUNK_BYTES = 4 << 20
+"""Rows are written a chunk at a time; a chunk whose padded matrix would exceed this is halved."""
+_pack_double = struct.Struct("<d").pack
+_encode_json = msgspec.json.Encoder().encode
+
+
+# ---------------------------------------------------------------------------------------------
+# Single fields
+
+
+def varint(n: int) -> bytes:
+    """Base-128 varint; negative numbers as their 64-bit two's complement (protobuf int64)."""
+    if n < 0:
+        n &= (1 << 64) - 1
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return varint(field << 3 | wire_type)
+
+
+def uint_field(field: int, value: int) -> bytes:
+    """A varint field (uint64, int64, int32, bool, enum)."""
+    return _key(field, _WT_VARINT) + varint(value)
+
+
+def bytes_field(field: int, value: bytes) -> bytes:
+    """A length-delimited field (bytes, string, embedded message)."""
+    return _key(field, _WT_LEN) + varint(len(value)) + value
+
+
+def str_field(field: int, value: str) -> bytes:
+    """A string field."""
+    return bytes_field(field, value.encode("utf-8", "replace"))
+
+
+def debug_annotation(name: str, value: object) -> bytes:
+    """One named argument (a TrackEvent field); lists and dicts are kept as JSON text."""
+    if type(value) is bool:
+        body = uint_field(DA_BOOL, int(value))
+    elif isinstance(value, int) and -_INT64_MAX - 1 <= value <= _INT64_MAX:
+        body = uint_field(DA_INT, value)
+    elif isinstance(value, (int, float)):
+        body = _key(DA_DOUBLE, _WT_I64) + _pack_double(float(value))
+    elif isinstance(value, str):
+        body = str_field(DA_STRING, value)
+    else:
+        body = str_field(DA_STRING, _encode_json(value).decode())
+    return bytes_field(TE_DEBUG_ANNOTATIONS, str_field(DA_NAME, name) + body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Columns of fields
+
+
+class _Part(NamedTuple):
+    data: np.ndarray  # uint8 (rows x width): row i's bytes start at data[starts[i]] (row i when None)
+    starts: np.ndarray | None
+    lens: np.ndarray  # bytes on each row (0: the part is absent there)
+
+
+def varints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Base-128 varints of a column: a (rows x width) uint8 block and each row's length."""
+    rest = values.astype(np.uint64)  # int64 -> two's complement, as protobuf encodes it
+    width = 1
+    top = int(rest.max(initial=0))
+    while top >> (7 * width):
+        width += 1
+    out = np.empty((len(rest), width), np.uint8)
+    lens = np.ones(len(rest), np.int64)
+    for k in range(width):
+        more = rest > 0x7F
+        out[:, k] = (rest & np.uint64(0x7F)) | (more.astype(np.uint64) << np.uint64(7))
+        lens += more
+        rest = rest >> np.uint64(7)
+    return out, lens
+
+
+def blobs(items: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A list of byte strings as one buffer with offsets and lengths."""
+    lens = np.fromiter(map(len, items), np.int64, len(items))
+    starts = np.cumsum(lens) - lens
+    return np.frombuffer(b"".join(items), np.uint8), starts, lens
+
+
+class Rows:
+    """One protobuf message per row, built part by part in field order (see the module doc)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.parts: list[_Part] = []
+
+    def lens(self) -> np.ndarray:
+        """Each row's encoded length."""
+        return sum((p.lens for p in self.parts), np.zeros(self.n, np.int64))
+
+    def const(self, data: bytes, on: np.ndarray | None = None) -> None:
+        """The same bytes on every row (on the rows where ``on``)."""
+        block = np.broadcast_to(np.frombuffer(data, np.uint8), (self.n, len(data)))
+        lens = np.full(self.n, len(data), np.int64)
+        self.parts.append(_Part(block, None, lens if on is None else lens * on))
+
+    def field(self, field: int, values: np.ndarray, on: np.ndarray | None = None) -> None:
+        """A varint field with one value per row (on the rows where ``on``)."""
+        self.const(_key(field, _WT_VARINT), on)
+        block, lens = varints(values)
+        self.parts.append(_Part(block, None, lens if on is None else lens * on))
+
+    def ragged(self, data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> None:
+        """Row i gets ``data[starts[i]:starts[i] + lens[i]]``."""
+        width = int(lens.max(initial=0))
+        padded = np.concatenate([data, np.zeros(max(width, 1), np.uint8)])
+        # Each row's bytes are one row of a sliding window over the buffer: gathered by memcpy.
+        self.parts.append(_Part(np.lib.stride_tricks.sliding_window_view(padded, max(width, 1)), starts, lens))
+
+    def lookup(self, items: Sequence[bytes], codes: np.ndarray) -> None:
+        """Row i gets ``items[codes[i]]``; nothing where the code is -1."""
+        data, starts, lens = blobs(list(items) + [b""])
+        self.ragged(data, starts[codes], lens[codes])
+
+    def message(self, field: int, inner: Rows, on: np.ndarray | None = None) -> None:
+        """``inner`` as a length-delimited field (on the rows where ``on``; inner must be empty elsewhere)."""
+        self.const(_key(field, _WT_LEN), on)
+        block, lens = varints(inner.lens())
+        self.parts.append(_Part(block, None, lens if on is None else lens * on))
+        self.parts.extend(inner.parts)
+
+    def compact(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All rows as one buffer with offsets and lengths (to nest them in other rows)."""
+        lens = self.lens()
+        return np.frombuffer(self.tobytes(), np.uint8), np.cumsum(lens) - lens, lens
+
+    def tobytes(self) -> bytes:
+        """All rows, concatenated."""
+        out: list[bytes] = []
+        for a in range(0, self.n, _CHUNK_ROWS):
+            self._write(a, min(self.n, a + _CHUNK_ROWS), out)
+        return b"".join(out)
+
+    def _write(self, a: int, b: int, out: list[bytes]) -> None:
+        """Rows a..b through a padded matrix: each part in its columns, a mask keeps the real bytes."""
+        lens = np.stack([p.lens[a:b] for p in self.parts])
+        widths = lens.max(axis=1).tolist()
+        if (b - a) * sum(widths) > _CHUNK_BYTES and b - a > 1:
+            mid = (a + b) // 2
+            self._write(a, mid, out)
+            self._write(mid, b, out)
+            return
+        matrix = np.empty((b - a, sum(widths)), np.uint8)
+        mask = np.empty(matrix.shape, bool)
+        column = 0
+        for part, width, part_lens in zip(self.parts, widths, lens):
+            if not width:
+                continue
+            cols = slice(column, column + width)
+            rows = part.data[a:b] if part.starts is None else part.data[part.starts[a:b]]
+            matrix[:, cols] = rows[:, :width]
+            if part_lens.min() == width:
+                mask[:, cols] = True
+            else:
+                small = np.uint8 if width < 256 else np.int64
+                mask[:, cols] = np.arange(width, dtype=small) < part_lens.astype(small)[:, None]
+            column += width
+        out.append(matrix[mask].tobytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# A process
+
+
+def render(state: ProcessState, index: int, origin_us: int) -> tuple[bytes, Counts]:
+    """One process's packets and counts; ``index`` is its place in the export (pid ``index + 1``).
+    ``origin_us`` is not needed: packets carry absolute times."""
+    lay = layout_process(state, index)
+    counts = Counts(len(lay.spans.start_us), len(lay.instants.ts_us), len(lay.counters.ts_us), 1)
+    return _descriptors(lay) + _events(lay), counts
+
+
+def tail(origin_us: int, processes: int, malformed: int) -> bytes:
+    """Nothing: the stream ends with the last process's packets."""
+    return b""
+
+
+def _process_uuid(pid: int) -> int:
+    return pid * _UUID_STRIDE
+
+
+def _track_uuid(pid: int, track_index: int | np.ndarray) -> int | np.ndarray:
+    return pid * _UUID_STRIDE + 1 + track_index
+
+
+def _counter_uuid(pid: int, key: int | np.ndarray) -> int | np.ndarray:
+    return pid * _UUID_STRIDE + _COUNTER_UUID_BASE + key
+
+
+def _descriptor(body: bytes) -> bytes:
+    return bytes_field(TRACE_PACKET, bytes_field(PKT_TRACK_DESCRIPTOR, body))
+
+
+def _descriptors(lay: ProcessLayout) -> bytes:
+    pid = lay.pid
+    name = f"{lay.name} ({lay.labels})" if lay.labels else lay.name
+    process = uint_field(PD_PID, pid) + str_field(PD_NAME, name)
+    out = [_descriptor(uint_field(TD_UUID, _process_uuid(pid)) + bytes_field(TD_PROCESS, process))]
+    for track in lay.tracks:
+        thread = (uint_field(THD_PID, pid) + uint_field(THD_TID, track_tid(pid, track.index))
+                  + str_field(THD_NAME, track.name))
+        out.append(_descriptor(uint_field(TD_UUID, _track_uuid(pid, track.index)) + bytes_field(TD_THREAD, thread)))
+    for code, key in enumerate(lay.counter_keys):
+        out.append(_descriptor(uint_field(TD_UUID, _counter_uuid(pid, code)) + uint_field(TD_PARENT_UUID, _process_uuid(pid))
+                               + str_field(TD_NAME, key) + bytes_field(TD_COUNTER, b"")))
+    return b"".join(out)
+
+
+def _last_descendants(track: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """For each span, its last descendant in start order (itself when none): on its track, the spans
+    after it that start before it ends (tracks are strictly nested)."""
+    n = len(track)
+    order = np.argsort(track, kind="stable")
+    s, e, t = start[order], end[order], track[order]
+    cuts = [0, *(np.flatnonzero(np.diff(t)) + 1).tolist(), n]
+    last = np.empty(n, np.int64)
+    for a, b in zip(cuts[:-1], cuts[1:]):  # one search per track
+        first_after = np.searchsorted(s[a:b], e[a:b], side="left") + a
+        last[a:b] = np.maximum(first_after - 1, np.arange(a, b))
+    out = np.empty(n, np.int64)
+    out[order] = order[last]
+    return out
+
+
+BEGIN, END, INSTANT, COUNTER = range(4)
+"""Event rows, by kind (the TrackEvent type is kind + 1)."""
+
+
+def _event_order(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(kind, index into its columns, Unix µs) of every event, in the order they are written: by time;
+    at one time on one track, slice events in bracket order (ends of inner slices first, a slice's end
+    before a later sibling's begin), then instants; counters last."""
+    spans, inst, ctr = lay.spans, lay.instants, lay.counters
+    n, m, c = len(spans.start_us), len(inst.ts_us), len(ctr.ts_us)
+    j = np.arange(n)
+    last = _last_descendants(spans.track, spans.start_us, spans.end_us)
+    # A begin sorts at (j, 0, 0), an end at (last descendant, 1, inner first): one int64 key.
+    bracket = np.concatenate([j * 2 * (n + 1), (last * 2 + 1) * (n + 1) + (n - j)])
+    kind = np.repeat(np.array([BEGIN, END, INSTANT, COUNTER]), [n, n, m, c])
+    ref = np.concatenate([j, j, np.arange(m), np.arange(c)])
+    ts = np.concatenate([spans.start_us, spans.end_us, inst.ts_us, ctr.ts_us])
+    klass = np.maximum(kind - 1, 0)  # slices, instants, counters
+    order = np.lexsort((np.concatenate([bracket, ref[2 * n:]]), klass, ts))
+    return kind[order], ref[order], ts[order]
+
+
+def _span_annotations(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each span's debug annotations (step, span_id, status, attributes, error, incomplete) as bytes."""
+    spans = lay.spans
+    rows = Rows(len(spans.start_us))
+    has_step = spans.step != NO_STEP
+    step = Rows(rows.n)
+    step.const(str_field(DA_NAME, schema.STEP), has_step)
+    step.field(DA_INT, spans.step, has_step)
+    rows.message(TE_DEBUG_ANNOTATIONS, step, has_step)
+    ids = [sid.encode("utf-8", "replace") for sid in spans.span_ids]
+    span_id = Rows(rows.n)
+    span_id.const(str_field(DA_NAME, schema.SPAN_ID))
+    text = Rows(rows.n)
+    text.ragged(*blobs(ids))
+    span_id.message(DA_STRING, text)
+    rows.message(TE_DEBUG_ANNOTATIONS, span_id)
+    rows.lookup([debug_annotation(schema.STATUS, s) for s in lay.statuses], spans.status)
+    rows.lookup([b"".join(debug_annotation(str(k), v) for k, v in (a or {}).items()) for a in lay.attrs], spans.attrs)
+    error_code = np.full(rows.n, -1)
+    error_code[list(spans.errors)] = np.arange(len(spans.errors))
+    rows.lookup([debug_annotation(schema.ERROR, e) for e in spans.errors.values()], error_code)
+    rows.const(debug_annotation("incomplete", True), spans.incomplete)
+    return rows.compact()
+
+
+def _events(lay: ProcessLayout) -> bytes:
+    """Every span begin and end, instant and counter sample as a TracePacket, in :func:`_event_order`."""
+    kind, ref, ts_us = _event_order(lay)
+    n = len(kind)
+    spans, inst, ctr, pid = lay.spans, lay.instants, lay.counters, lay.pid
+    rows = [np.flatnonzero(kind == k) for k in (BEGIN, END, INSTANT, COUNTER)]
+    begin, end, instant, counter = rows
+    span_rows = np.flatnonzero(kind <= END)
+
+    def column(values_by_kind: dict[int, np.ndarray]) -> np.ndarray:
+        out = np.zeros(n, np.int64)
+        for k, values in values_by_kind.items():
+            out[rows[k]] = values
+        return out
+
+    event = Rows(n)
+    event.lookup([uint_field(TE_TYPE, k + 1) for k in (BEGIN, END, INSTANT, COUNTER)], kind)
+    uuid = column({INSTANT: _track_uuid(pid, inst.track[ref[instant]]),
+                   COUNTER: _counter_uuid(pid, ctr.key[ref[counter]])})
+    uuid[span_rows] = _track_uuid(pid, spans.track[ref[span_rows]])
+    event.field(TE_TRACK_UUID, uuid)
+    named = (kind == BEGIN) | (kind == INSTANT)
+    event.field(TE_NAME_IID, column({BEGIN: spans.name[ref[begin]], INSTANT: inst.name[ref[instant]]}) + 1, named)
+    for k, (data, starts, lens) in ((BEGIN, _span_annotations(lay)), (INSTANT, _instant_annotations(lay))):
+        event.ragged(data, column({k: starts[ref[rows[k]]]}), column({k: lens[ref[rows[k]]]}))
+    values = np.empty((len(ctr.values), 10), np.uint8)
+    values[:, :2] = np.frombuffer(_key(TE_DOUBLE_COUNTER_VALUE, _WT_I64), np.uint8)
+    values[:, 2:] = np.asarray(ctr.values, "<f8").view(np.uint8).reshape(-1, 8)
+    event.ragged(values.reshape(-1), column({COUNTER: ref[counter] * 10}), column({COUNTER: np.full(len(counter), 10)}))
+
+    packet = Rows(n)
+    packet.field(PKT_TIMESTAMP, ts_us * 1000)
+    packet.field(PKT_SEQUENCE_ID, np.full(n, pid))
+    flags = np.where(named, 0, -1)
+    flags[:1] = 1  # the sequence's first packet clears its state and interns every name
+    packet.lookup([uint_field(PKT_SEQUENCE_FLAGS, SEQ_NEEDS_INCREMENTAL_STATE),
+                   uint_field(PKT_SEQUENCE_FLAGS, SEQ_NEEDS_INCREMENTAL_STATE | SEQ_INCREMENTAL_STATE_CLEARED)], flags)
+    packet.lookup([_interned_names(lay.names)], np.where(np.arange(n) == 0, 0, -1))
+    packet.message(PKT_TRACK_EVENT, event)
+    trace = Rows(n)
+    trace.message(TRACE_PACKET, packet)
+    return trace.tobytes()
+
+
+def _instant_annotations(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return blobs([b"".join(debug_annotation(str(k), v) for k, v in args.items()) for args in lay.instants.args])
+
+
+def _interned_names(names: list[str]) -> bytes:
+    """InternedData with every event name of the sequence: name code i has iid i + 1."""
+    entries = (bytes_field(ID_EVENT_NAMES, uint_field(EN_IID, i + 1) + str_field(EN_NAME, name))
+               for i, name in enumerate(names))
+    return bytes_field(PKT_INTERNED_DATA, b"".join(entries))
