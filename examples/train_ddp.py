@@ -8,7 +8,13 @@ Faults (all off by default):
     --hang-rank 1 --hang-step 12 --hang-phase forward      rank 1 sleeps forever in forward at step 12;
                                                           peers block in the next collective until the
                                                           --timeout-s collective timeout ends the run
+    --hang-how regex                                       ... stuck in a regular expression that holds
+                                                          the GIL instead (kill: SIGKILL itself there)
     --fail-rank 3 --fail-step 8                            rank 3 raises in forward at step 8
+
+Live: --watch starts `otel-train watch` beside the job (on rank 0), which names the culprit rank,
+step and phase within seconds of a stall (see README "Live"); OTEL_TRAIN_STALL_MIN_S=3 makes that
+3 s instead of 10 s on this small model.
 
 Uses gloo on CPU and nccl (one GPU per local rank) when CUDA is available.
 """
@@ -19,6 +25,10 @@ import argparse
 import datetime
 import logging
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -56,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-rank", type=int)
     p.add_argument("--hang-step", type=int, default=10)
     p.add_argument("--hang-phase", choices=FAULT_PHASES, default=phases.FORWARD)
+    p.add_argument("--hang-how", choices=("sleep", "regex", "kill"), default="sleep",
+                   help="sleep forever, backtrack in a regular expression holding the GIL, or SIGKILL itself")
+    p.add_argument("--watch", action="store_true", help="run `otel-train watch` beside the job (rank 0 starts it)")
     p.add_argument("--fail-rank", type=int)
     p.add_argument("--fail-step", type=int, default=5)
     return p.parse_args(argv)
@@ -81,11 +94,28 @@ class Faults:
         if a.slow_rank == self.rank and a.slow_phase == phase:
             time.sleep(a.slow_ms / 1000.0)
         if a.hang_rank == self.rank and a.hang_step == self.step and a.hang_phase == phase:
-            log.warning("injected hang: rank %d sleeps forever in %s at step %d", self.rank, phase, self.step)
-            while True:
-                time.sleep(3600)
+            hang(a.hang_how, self.rank, phase, self.step)
         if a.fail_rank == self.rank and a.fail_step == self.step and phase == phases.FORWARD:
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+def hang(how: str, rank: int, phase: str, step: int) -> None:
+    """Never return: sleep (the GIL stays free), a regular expression (C code holding the GIL for hours:
+    not even the watchdog thread runs), or die by SIGKILL inside the span."""
+    log.warning("injected hang (%s): rank %d in %s at step %d", how, rank, phase, step)
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if how == "regex":
+        re.match(r"(a+)+$", "a" * 64 + "b")  # 2**64 backtracking steps
+    while True:
+        time.sleep(3600)
+
+
+def start_watch(save_path: str) -> subprocess.Popen[bytes]:
+    """`otel-train watch SAVE_PATH --stacks` in a session of its own: the launcher's signals to the
+    workers don't reach it, and it ends by itself once every rank has ended."""
+    cmd = [sys.executable, "-m", "otel_train.cli", "watch", save_path, "--stacks"]
+    return subprocess.Popen(cmd, start_new_session=True)
 
 
 class Net(nn.Module):
@@ -161,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank_label = os.environ.get("RANK", "0")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank_label} %(levelname)s %(message)s")
+    watcher = start_watch(args.save_path) if args.watch and rank_label == "0" else None
     if not args.no_trace:
         # Keywords win over OTEL_TRAIN_* variables; everything not given here can still be set there.
         ot.init(save_path=args.save_path, enabled=True, log_bridge=True, log_level="INFO")
@@ -213,6 +244,11 @@ def main(argv: list[str] | None = None) -> None:
         log.info("done: %d steps, eval loss %.4f", args.steps, eval_loss)
     dist.destroy_process_group()
     ot.shutdown()
+    if watcher is not None:
+        try:
+            watcher.wait(timeout=30)  # it ends once every rank has ended: let it print its last table
+        except subprocess.TimeoutExpired:
+            pass  # still following a rank that has not ended: it goes on in its own session
 
 
 if __name__ == "__main__":

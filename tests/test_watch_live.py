@@ -95,7 +95,7 @@ class FakeHost:
     def alive(self, pid: int) -> bool:
         return pid not in self.dead
 
-    def dump(self, pid: int) -> None:
+    def dump(self, pid: int, first_tid: int | None = None) -> None:
         return None
 
 

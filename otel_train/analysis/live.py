@@ -29,6 +29,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -100,7 +101,8 @@ class HostProbe:
 
     def __init__(self, host: str | None = None) -> None:
         self.host = host if host is not None else socket.gethostname()
-        self.py_spy = shutil.which("py-spy")
+        beside = Path(sys.executable).with_name("py-spy")  # a venv's bin/ need not be on PATH
+        self.py_spy = shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
 
     def is_local(self, host: str | None, pid: int | None) -> bool:
         """Whether the process ``pid`` on ``host`` can be probed from here."""
@@ -123,9 +125,10 @@ class HostProbe:
             return True
         return True
 
-    def dump(self, pid: int) -> list[dict[str, Any]] | None:
-        """Every thread's stack of ``pid`` by ``py-spy dump`` (innermost last); None when py-spy is
-        missing, not permitted, or takes longer than :data:`PY_SPY_TIMEOUT_S`."""
+    def dump(self, pid: int, first_tid: int | None = None) -> list[dict[str, Any]] | None:
+        """Every thread's stack of ``pid`` by ``py-spy dump`` (innermost last), thread ``first_tid`` first,
+        then the one holding the GIL; None when py-spy is missing, not permitted, or takes longer than
+        :data:`PY_SPY_TIMEOUT_S`."""
         if self.py_spy is None:
             return None
         try:
@@ -136,7 +139,8 @@ class HostProbe:
             return None
         if not isinstance(threads, list):
             return None
-        return clean_stacks([_spy_stack(t) for t in threads if isinstance(t, dict)])
+        stacks = clean_stacks([_spy_stack(t) for t in threads if isinstance(t, dict)])
+        return sorted(stacks, key=lambda s: (s["tid"] != first_tid, not s.get("owns_gil")))
 
 
 def _spy_stack(thread: dict[str, Any]) -> dict[str, Any]:
@@ -379,7 +383,7 @@ class LiveRun:
             inner = lp.state.innermost
             f["since"] = inner.start_ts if inner is not None and not lp.state.ended_cleanly else lp.state.last_ts
             if self.stacks and stacks is None and lp.local and lp.silent and not lp.dead:
-                stacks = self.probe.dump(lp.state.pid)  # type: ignore[arg-type]
+                stacks = self.probe.dump(lp.state.pid, inner.tid if inner is not None else None)  # type: ignore[arg-type]
         if self.stacks and stacks:
             f["stacks"] = stacks
         return f

@@ -47,6 +47,7 @@ def clean_stacks(value: Any) -> list[dict[str, Any]]:
             "tid": item.get("tid"),
             "thread": str(item.get("thread", "")),
             "frames": [f for f in item["frames"] if isinstance(f, str)],
+            **({"owns_gil": True} if item.get("owns_gil") is True else {}),
         })
     return out
 
