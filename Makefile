@@ -17,7 +17,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[torch,lightning,transformers,telemetry,analysis,dev]' $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[torch,lightning,transformers,telemetry,analysis,stacks,dev]' $(TORCH)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -51,6 +51,7 @@ bench: install
 	$(BIN)/python benchmarks/span_overhead.py
 	$(BIN)/python benchmarks/train_overhead.py
 	$(BIN)/python benchmarks/analysis_throughput.py
+	$(BIN)/python benchmarks/watch_scale.py
 
 clean:
 	rm -rf runs build dist *.egg-info .pytest_cache
