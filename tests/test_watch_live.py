@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,14 @@ def test_no_restart_expected_means_the_end_comes_at_once(tmp_path: Path) -> None
     g = Growing(tmp_path, procs)
     assert [e["finding"]["kind"] for e in g.poll_at(0.1)] == ["error"]
     assert g.live.finished()
+
+
+def test_export_shows_stall_records_as_instants_with_their_stacks(tmp_path: Path) -> None:
+    from otel_train.analysis.export import export
+
+    write_run(tmp_path, _hung_pair())
+    trace = json.loads(export(tmp_path, "chrome").output.read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    (stall,) = [e for e in events if e.get("name") == schema.INSTANT_STALL]
+    assert stall["ph"] == "i" and stall["args"]["span"] == FORWARD and stall["args"]["step"] == 6
+    assert [s["frames"] for s in stall["args"]["stacks"]][1] == STACK
