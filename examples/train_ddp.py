@@ -11,6 +11,9 @@ Faults (all off by default):
     --hang-how regex                                       ... stuck in a regular expression that holds
                                                           the GIL instead (kill: SIGKILL itself there)
     --fail-rank 3 --fail-step 8                            rank 3 raises in forward at step 8
+    --fail-attempts 1                                      ... only in the first torchrun attempt, so
+                                                          --max-restarts=1 recovers (with --resume
+                                                          from the last checkpoint)
 
 Live: --watch starts `otel-train watch` beside the job (on rank 0), which names the culprit rank,
 step and phase within seconds of a stall (see README "Live"); OTEL_TRAIN_STALL_MIN_S=3 makes that
@@ -71,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--watch", action="store_true", help="run `otel-train watch` beside the job (rank 0 starts it)")
     p.add_argument("--fail-rank", type=int)
     p.add_argument("--fail-step", type=int, default=5)
+    p.add_argument("--fail-attempts", type=int, help="fail only in the first N restart attempts (default: all)")
+    p.add_argument("--resume", action="store_true", help="start after the step of the last checkpoint, if any")
+    p.add_argument("--gpu-wait-ms", type=float, default=0.0,
+                   help="every rank also waits this long in forward without using the CPU, as a step waits on a "
+                        "GPU: keeps step times steady on a busy CPU (tests and benchmarks)")
     return p.parse_args(argv)
 
 
@@ -81,6 +89,7 @@ class Faults:
         self.args = args
         self.rank = rank
         self.step = -1
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def active(self, phase: str) -> bool:
         """Whether any fault targets ``phase`` on this rank (no hooks or checks otherwise)."""
@@ -95,7 +104,9 @@ class Faults:
             time.sleep(a.slow_ms / 1000.0)
         if a.hang_rank == self.rank and a.hang_step == self.step and a.hang_phase == phase:
             hang(a.hang_how, self.rank, phase, self.step)
-        if a.fail_rank == self.rank and a.fail_step == self.step and phase == phases.FORWARD:
+        if a.fail_rank == self.rank and a.fail_step == self.step and phase == phases.FORWARD and (
+            a.fail_attempts is None or self.attempt < a.fail_attempts
+        ):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
 
 
@@ -127,6 +138,8 @@ class Net(nn.Module):
         self.faults = faults
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.faults.args.gpu_wait_ms:
+            time.sleep(self.faults.args.gpu_wait_ms / 1000.0)
         if self.faults.active(phases.FORWARD):
             self.faults.inject(phases.FORWARD)
         out = self.body(x)
@@ -174,17 +187,34 @@ def evaluate(model: nn.Module, data: TensorDataset, device: torch.device, faults
 
 
 def save_checkpoint(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, path: Path, rank: int,
-                    faults: Faults) -> None:
+                    faults: Faults, step: int) -> None:
     with ot.log_trace_span(phases.CHECKPOINT):
         ot.add_step_tag("checkpoint")
         faults.inject(phases.CHECKPOINT)
         if rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
             os.replace(tmp, path)
             log.info("saved checkpoint %s", path)
         dist.barrier()
+
+
+def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
+    """``init_process_group``; a torchrun restart attempt gets its own key prefix in the agent's store.
+
+    torchrun keeps one store across restarts, so without a prefix gloo would read the previous
+    attempt's (dead) peer addresses and fail to connect.
+    """
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
         # Keywords win over OTEL_TRAIN_* variables; everything not given here can still be set there.
         ot.init(save_path=args.save_path, enabled=True, log_bridge=True, log_level="INFO")
     use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    init_distributed("nccl" if use_cuda else "gloo", datetime.timedelta(seconds=args.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -224,7 +254,14 @@ def main(argv: list[str] | None = None) -> None:
     handle = ott.instrument(runnable, optimizer)
     optimizer.register_step_pre_hook(lambda *_: faults.inject(phases.OPTIMIZER))  # after ours: inside the span
     checkpoint = Path(args.save_path) / "checkpoints" / "last.pt"
-    for step in range(args.steps):
+    start = 0
+    if args.resume and checkpoint.exists():
+        state = torch.load(checkpoint, map_location=device)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        start = state["step"] + 1
+        log.info("resumed from %s after step %d", checkpoint, state["step"])
+    for step in range(start, args.steps):
         faults.step = step
         with ot.training_step(step, epoch=0):
             x, y = ott.batch_to_device(next(batches), device, non_blocking=use_cuda)
@@ -233,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if args.checkpoint_every and step and step % args.checkpoint_every == 0:
-                save_checkpoint(model, optimizer, checkpoint, rank, faults)
+                save_checkpoint(model, optimizer, checkpoint, rank, faults, step)
             if args.eval_every and step and step % args.eval_every == 0:
                 evaluate(runnable, held_out, device, faults)
         if step % 10 == 0:

@@ -101,11 +101,10 @@ def _verdict(a: np.ndarray, b: np.ndarray, th: Thresholds) -> dict[str, Any]:
         return {"p_value": math.nan, "delta_ms": math.nan, "judged_ms": [_p50(a), _p50(b)],
                 REGRESSION: False, IMPROVEMENT: False}
     _, p = mann_whitney(a, b)
-    base, new = float(np.median(a)), float(np.median(b))
-    delta = new - base
-    big = p < th.max_p and abs(delta) >= th.min_ms and abs(delta) >= th.min_pct / 100.0 * abs(base)
-    return {"p_value": p, "delta_ms": delta, "judged_ms": [base, new],
-            REGRESSION: big and delta > 0, IMPROVEMENT: big and delta < 0}
+    row = {"p_value": p, "delta_ms": float(np.median(b) - np.median(a)),
+           "judged_ms": [float(np.median(a)), float(np.median(b))]}
+    found = p < th.max_p and _big(row, th)
+    return {**row, REGRESSION: found and row["delta_ms"] > 0, IMPROVEMENT: found and row["delta_ms"] < 0}
 
 
 def _pct(a: float | None, b: float | None) -> float | None:
@@ -128,9 +127,12 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
     (raw_a, judged_a), (raw_b, judged_b) = _samples(a, steps, sync), _samples(b, steps, sync)
     order = list(dict.fromkeys([*a.phase_order(), *b.phase_order()]))
     names = [n for n in order if any(k[1] == n for k in raw_a) and any(k[1] == n for k in raw_b)]
-    collective = {k[1] for k in judged_a.keys() - raw_a.keys()} | {n for n in sync if n in names}
+    collective = {n for n in sync if n in names}
     containers = {p for run in (a, b) for d in run.processes for p in d.parents.values() if p is not None}
     ranks = _rank_rows(raw_a, raw_b, judged_a, judged_b, names, thresholds)
+    for row in ranks:
+        if row["phase"] in collective:  # judged for the group only (see _findings)
+            row[REGRESSION] = row[IMPROVEMENT] = False
     phases = []
     for name in names:
         ra, rb = _pooled(raw_a, name), _pooled(raw_b, name)
@@ -140,7 +142,7 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
     return {
         "phases": phases,
         "ranks": ranks,
-        "findings": _findings(phases, ranks),
+        "findings": _findings(phases, ranks, thresholds),
         "steps": {"a": int(_steps_of(a).size), "b": int(_steps_of(b).size), "shared": int(shared.size)},
         "thresholds": {"max_p": thresholds.max_p, "min_pct": thresholds.min_pct, "min_ms": thresholds.min_ms},
     }
@@ -158,18 +160,25 @@ def _rank_rows(raw_a: Samples, raw_b: Samples, judged_a: Samples, judged_b: Samp
     return rows
 
 
-def _findings(phases: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One finding for a phase when most of its ranks changed alike, else one per changed rank; none
-    for a phase that contains others (``step``): its change is theirs."""
+def _big(row: dict[str, Any], th: Thresholds) -> bool:
+    base, delta = row["judged_ms"][0], row["delta_ms"]
+    return delta == delta and base is not None and abs(delta) >= th.min_ms and abs(delta) >= th.min_pct / 100.0 * abs(base)
+
+
+def _findings(phases: list[dict[str, Any]], ranks: list[dict[str, Any]], th: Thresholds) -> list[dict[str, Any]]:
+    """One finding for a phase that changed on most of its ranks alike (each by enough to matter),
+    else one per rank whose own change is a finding. A collective is one operation of the group,
+    judged for all ranks together (which rank leaves it last changes from run to run). None for a
+    phase that contains others (``step``): its change is theirs."""
     out = []
     for ph in (ph for ph in phases if not ph["container"]):
         mine = [r for r in ranks if r["phase"] == ph["name"]]
         kind = REGRESSION if ph["regression"] else IMPROVEMENT if ph["improvement"] else None
-        alike = [r for r in mine if kind and r[kind]]
-        if kind and (not mine or 2 * len(alike) > len(mine)):
+        alike = [r for r in mine if kind and _big(r, th) and (r["delta_ms"] > 0) == (kind == REGRESSION)]
+        if kind and (ph["collective"] or not mine or 2 * len(alike) > len(mine)):
             out.append(_finding(kind, ph["name"], None, ph, ph["collective"]))
             continue
-        for r in mine:
+        for r in mine if not ph["collective"] else ():
             if r[REGRESSION] or r[IMPROVEMENT]:
                 out.append(_finding(REGRESSION if r[REGRESSION] else IMPROVEMENT, ph["name"], r["rank"], r,
                                     ph["collective"]))
