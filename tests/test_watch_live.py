@@ -299,3 +299,22 @@ def test_export_shows_stall_records_as_instants_with_their_stacks(tmp_path: Path
     (stall,) = [e for e in events if e.get("name") == schema.INSTANT_STALL]
     assert stall["ph"] == "i" and stall["args"]["span"] == FORWARD and stall["args"]["step"] == 6
     assert [s["frames"] for s in stall["args"]["stacks"]][1] == STACK
+
+
+def test_straggler_over_the_recent_steps_is_raised_then_resolved(tmp_path: Path) -> None:
+    procs = [Proc(rank=r, world_size=4) for r in range(4)]
+    for p in procs:
+        _settings(p)
+        slow = {"data_fetch": 30.0 if p.rank == 1 else 5.0, FORWARD: 20.0, BACKWARD: 40.0}
+        p.steps(range(30), slow)
+    g = Growing(tmp_path, procs)
+    events = g.poll_at(0.1)
+    # Unsynchronised synthetic ranks: rank 1's whole step is slow too (no peer waits for it here).
+    assert {(e["type"], e["finding"]["kind"], e["finding"]["rank"], e["finding"]["phase"]) for e in events} == {
+        ("finding", "straggler", 1, "data_fetch"), ("finding", "straggler", 1, "step")}
+    for p in procs:
+        p.steps(range(30, 90), {"data_fetch": 5.0, FORWARD: 20.0, BACKWARD: 40.0})
+    assert g.poll_at(0.1) == []  # the rule is asked again only after STRAGGLERS_EVERY_S
+    events = g.poll_at(31.0)  # over the last 50 steps rank 1 is like its peers
+    assert sorted((e["type"], e["finding"]["rank"], e["finding"]["phase"]) for e in events) == [
+        ("resolved", 1, "data_fetch"), ("resolved", 1, "step")]

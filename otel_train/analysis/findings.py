@@ -73,23 +73,26 @@ def _finding(kind: str, d: ProcessState | None, step: int | None, phase: str | N
 
 
 def findings(
-    run: Run, *, alive: Collection[ProcessState] = (), running: Collection[ProcessState] = ()
+    run: Run, *, alive: Collection[ProcessState] = (), running: Collection[ProcessState] = (),
+    stragglers: bool = True,
 ) -> list[dict[str, Any]]:
     """All findings, culprits only: hangs and crashes first, then errors, stragglers, restarts.
 
     For a live snapshot: ``alive`` processes have not died (whether or not they wrote ``process_end``
-    yet), ``running`` ones (a subset) are still making progress and so are neither hung nor crashed.
+    yet), ``running`` ones (a subset) are still making progress and so are neither hung nor crashed;
+    ``stragglers=False`` leaves out the straggler rule (``watch`` asks it over recent steps itself).
     """
     order = {name: i for i, name in enumerate(run.phase_order())}
     out: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
-    stragglers: list[dict[str, Any]] = []
+    slow: list[dict[str, Any]] = []
     for group in run.groups():
         culprits, stop_found = _stop_findings(group, order, alive, running)
         out.extend(stop_found)
         errors.extend(_error_findings(group, culprits))
-        stragglers.extend(straggler_findings(group, run.phase_order()))
-    return out + errors + stragglers + _restart_findings(run)
+        if stragglers:
+            slow.extend(straggler_findings(group, run.phase_order()))
+    return out + errors + slow + _restart_findings(run)
 
 
 def _ranks(ds: Sequence[ProcessState]) -> str:

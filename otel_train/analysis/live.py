@@ -15,9 +15,11 @@ knowledge of which processes still run, and *when* to ask (docs/watch.md):
   span for max(``stall_min_s``, ``stall_factor`` × the group's p99 step time so far) and one of them
   stalled. Processes of a hung group, dead ones and ended ones are the snapshot's stopped processes;
   the others are still *running* and no hang or crash is looked for in them;
-* findings are asked for when a process appears, ends or dies, an error span appears, a group hangs,
-  and every :data:`EVALUATE_EVERY_S` (stragglers); each is raised once. A hang is *resolved* when its
-  culprit closes a span again and its group is no longer hung; a straggler when it is no longer one.
+* findings are asked for when a process appears, ends or dies, an error span appears, or a group
+  hangs or moves again; the straggler rule every :data:`STRAGGLERS_EVERY_S` over each running group's
+  last :data:`RECENT_STEPS` steps, and once when the group has finished. Each finding is raised once.
+  A hang is *resolved* when its culprit closes a span again and its group is no longer hung; a
+  straggler when the rule no longer names it.
 
 Thresholds come from each process's own settings (its ``process_start`` record), defaults otherwise.
 """
@@ -39,7 +41,9 @@ from typing import Any
 import numpy as np
 
 from otel_train import schema
-from otel_train.analysis.findings import CRASH, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure
+from otel_train.analysis.findings import (
+    CRASH, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
+)
 from otel_train.analysis.records import AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, Warn, head
 from otel_train.analysis.spans import STATUS_OPEN, ProcessState, Run, assign_attempts
 from otel_train.analysis.stacks import clean_stacks
@@ -47,8 +51,10 @@ from otel_train.config import Settings
 from otel_train.phases import STEP
 from otel_train.stall import stall_threshold
 
-EVALUATE_EVERY_S = 10.0
-"""Findings are asked for at least this often (stragglers change without any single event)."""
+STRAGGLERS_EVERY_S = 30.0
+"""The straggler rule is asked this often per running group (no single record changes its answer) ..."""
+RECENT_STEPS = 50
+"""... over the group's last this many steps."""
 DEAD_AFTER_HEARTBEATS = 3
 """A process that wrote nothing for this many heartbeat periods is dead (or, on this host and alive, silent)."""
 RESTART_GRACE_S = 60.0
@@ -264,7 +270,8 @@ class LiveRun:
         self._heads: dict[tuple[str, int, str], Head | None] = {}
         self._hung: set[tuple[str, int]] = set()
         self._dirty = False
-        self._next_eval = 0.0
+        self._next_stragglers: dict[tuple[str, int], float] = {}
+        self._straggled_final: set[tuple[str, int]] = set()
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -341,13 +348,46 @@ class LiveRun:
         if hung != self._hung:  # a group hung, or one that was hung moves again
             self._dirty = True
         self._hung = hung
-        if not self._dirty and now < self._next_eval:
-            return []
-        self._dirty, self._next_eval = False, now + EVALUATE_EVERY_S
-        alive = {lp.state for lp in self.procs.values() if not lp.dead}
         running = {lp.state for key, group in groups.items() if key not in hung for lp in group if not lp.finished}
-        found = findings(Run([lp.state for lp in self.procs.values()]), alive=alive, running=running)
-        return self._raise(found, groups, running, now) + self._resolve(found, groups, now)
+        events = self._resolve_hangs(groups, now)
+        if self._dirty:
+            self._dirty = False
+            alive = {lp.state for lp in self.procs.values() if not lp.dead}
+            run = Run([lp.state for lp in self.procs.values()])
+            events += self._raise(findings(run, alive=alive, running=running, stragglers=False), groups, running, now)
+        due = [key for key, group in groups.items() if self._straggler_due(key, group, now)]
+        if due:
+            events += self._stragglers(groups, due, running, now)
+        return events
+
+    def _straggler_due(self, key: tuple[str, int], group: list[LiveProcess], now: float) -> bool:
+        """Every :data:`STRAGGLERS_EVERY_S` while the group runs, and once more when it has finished."""
+        if all(lp.finished for lp in group):
+            if key in self._straggled_final:
+                return False
+            self._straggled_final.add(key)
+            return True
+        return now >= self._next_stragglers.get(key, 0.0)
+
+    def _stragglers(self, groups: dict[tuple[str, int], list[LiveProcess]], due: list[tuple[str, int]],
+                    running: set[ProcessState], now: float) -> list[Event]:
+        """The straggler rule over each due group's last :data:`RECENT_STEPS` steps; stragglers no longer
+        named there are resolved."""
+        order = Run([lp.state for lp in self.procs.values()]).phase_order()
+        found = []
+        for key in due:
+            self._next_stragglers[key] = now + STRAGGLERS_EVERY_S
+            states = [lp.state for lp in groups[key]]
+            last = max((s.final_step for s in states if s.final_step is not None), default=None)
+            if last is not None:
+                found += straggler_findings(states, order, (last - RECENT_STEPS + 1, last))
+        current = {_key(f) for f in found}
+        events = self._raise(found, groups, running, now)
+        judged = {attempt for _, attempt in due}
+        for key, (_, f) in list(self._active.items()):
+            if f["kind"] == STRAGGLER and f["attempt"] in judged and key not in current:
+                events.append(self._resolved(key, now))
+        return events
 
     def _raise(self, found: list[dict[str, Any]], groups: dict[tuple[str, int], list[LiveProcess]],
                running: set[ProcessState], now: float) -> list[Event]:
@@ -392,24 +432,22 @@ class LiveRun:
         matches = [lp for lp in self.procs.values() if lp.state.rank == f["rank"] and lp.state.attempt == f["attempt"]]
         return matches[0] if len(matches) == 1 else None
 
-    def _resolve(self, found: list[dict[str, Any]], groups: dict[tuple[str, int], list[LiveProcess]],
-                 now: float) -> list[Event]:
-        current = {_key(f) for f in found}
+    def _resolve_hangs(self, groups: dict[tuple[str, int], list[LiveProcess]], now: float) -> list[Event]:
+        """Hangs whose group is no longer hung and whose culprit (any rank, for a group-wide one) closed
+        a span since it stopped."""
         events = []
         for key, (raised_at, f) in list(self._active.items()):
-            group = _of_attempt(groups, f["attempt"])
-            if f["kind"] == HANG:
-                still_hung = any(attempt == f["attempt"] for _, attempt in self._hung)
-                movers = [lp for lp in group if f["rank"] is None or lp.state.rank == f["rank"]]
-                done = not still_hung and any(
-                    (lp.progress_ts or 0.0) > (f.get("since") or raised_at) and not lp.finished for lp in movers)
-            else:
-                done = key not in current and any(not lp.finished for lp in group)
-            if done:
-                del self._active[key]
-                self._keys.discard(key)
-                events.append({"type": "resolved", "ts": now, "finding": f})
+            if f["kind"] != HANG or any(attempt == f["attempt"] for _, attempt in self._hung):
+                continue
+            movers = [lp for lp in _of_attempt(groups, f["attempt"]) if f["rank"] is None or lp.state.rank == f["rank"]]
+            if any((lp.progress_ts or 0.0) > (f.get("since") or raised_at) and not lp.finished for lp in movers):
+                events.append(self._resolved(key, now))
         return events
+
+    def _resolved(self, key: tuple[Any, ...], now: float) -> Event:
+        _, f = self._active.pop(key)
+        self._keys.discard(key)  # it may be raised again
+        return {"type": "resolved", "ts": now, "finding": f}
 
     # -- the end -------------------------------------------------------------------------------
 
