@@ -278,9 +278,12 @@ class LiveRun:
     def poll(self) -> list[Event]:
         """Read what was written since the last poll, update liveness, and return new events."""
         now = self.clock()
-        for pf, records in self.tail.poll():
-            lp = self.procs.get(pf.key) or self._add(pf)
-            self._dirty |= lp.take(records)
+        batches = self.tail.poll()
+        new = [pf for pf, _ in batches if pf.key not in self.procs]
+        if new:
+            self._add(new)
+        for pf, records in batches:
+            self._dirty |= self.procs[pf.key].take(records)
         self._update_liveness(now)
         return self._evaluate(now)
 
@@ -289,17 +292,18 @@ class LiveRun:
         """Lines skipped so far."""
         return self.tail.malformed_lines
 
-    def _add(self, pf: ProcessFiles) -> LiveProcess:
-        self._pfs[pf.key] = pf
-        if pf.key not in self._heads:
+    def _add(self, pfs: list[ProcessFiles]) -> None:
+        """Start following processes that appeared (in one go: attempts are numbered over all of them)."""
+        for pf in pfs:
+            self._pfs[pf.key] = pf
             self._heads[pf.key] = head(pf)
         attempts = assign_attempts(self._pfs.values(), {p: self._heads[k] for k, p in self._pfs.items()})
         for key, lp in self.procs.items():  # unnumbered restarts are renumbered by start time
             lp.state.attempt = attempts[self._pfs[key]]
-        state = ProcessState.of(pf, attempts[pf], meta=self._heads[pf.key])
-        lp = self.procs[pf.key] = LiveProcess(state, self.probe.is_local(state.host, state.pid))
+        for pf in pfs:
+            state = ProcessState.of(pf, attempts[pf], meta=self._heads[pf.key])
+            self.procs[pf.key] = LiveProcess(state, self.probe.is_local(state.host, state.pid))
         self._dirty = True
-        return lp
 
     def _update_liveness(self, now: float) -> None:
         for lp in self.procs.values():
