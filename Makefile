@@ -37,6 +37,7 @@ demo: install
 	rm -rf $(DEMO)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=4 examples/train_ddp.py --save-path $(DEMO)
 	$(BIN)/otel-train summarize $(DEMO)
+	$(BIN)/otel-train whatif $(DEMO)
 	$(BIN)/otel-train export $(DEMO)
 	@echo
 	@echo "Trace files:     $(DEMO)/structured_logs/"

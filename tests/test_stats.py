@@ -112,10 +112,10 @@ _WORKER = textwrap.dedent(
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     ot.init(enabled=True, save_path=sys.argv[1])
     x = torch.ones(4)
-    for step in range(6):
+    for step in range(14):
         with ot.training_step(step):
             with ot.log_trace_span("data_fetch"):
-                if rank == 1 and step == 5:
+                if rank == 1 and step == 13:
                     open(sys.argv[2], "w").close()
                     time.sleep(600)  # the stuck dataloader
                 time.sleep(0.03 if rank == 1 else 0.002)
@@ -149,7 +149,7 @@ def test_golden_multi_process_hang_and_straggler_with_real_collectives(tmp_path:
             alive = all(p.poll() is None for p in procs)
             assert time.monotonic() < deadline and alive, f"workers did not get there: {[p.poll() for p in procs]}"
             time.sleep(0.1)
-        time.sleep(1.0)  # rank 0 is now blocked in the all-reduce of step 5
+        time.sleep(1.0)  # rank 0 is now blocked in the all-reduce of step 13
         procs[1].send_signal(signal.SIGTERM)  # the launcher's SIGTERM: shutdown marks open spans incomplete
         procs[1].wait(30)
     finally:
@@ -159,14 +159,14 @@ def test_golden_multi_process_hang_and_straggler_with_real_collectives(tmp_path:
             p.wait(30)
     summary = summarize(run, warn=pytest.fail)
     kinds = [(f["kind"], f["rank"], f["phase"], f["step"]) for f in summary["findings"]]
-    assert kinds[0] == ("hang", 1, DATA_FETCH, 5), summary["findings"]
+    assert kinds[0] == ("hang", 1, DATA_FETCH, 13), summary["findings"]
     assert ("straggler", 1, DATA_FETCH) in [(k, r, ph) for k, r, ph, _ in kinds]
     assert all(r == 1 for _, r, _, _ in kinds), "rank 0 only waited: it is no culprit"
     by_rank = {p["rank"]: p for p in summary["processes"]}
     assert by_rank[1]["open_spans"] == ["step", DATA_FETCH] and by_rank[1]["ended_cleanly"]
     # Rank 0 was blocked in backward's all-reduce: gloo failed it when rank 1 went away (a victim's
     # error after the culprit stopped, so no finding), or it sat there until SIGKILL.
-    assert by_rank[0]["final_step"] == 5 and by_rank[0]["open_spans"] in ([], ["step", BACKWARD])
+    assert by_rank[0]["final_step"] == 13 and by_rank[0]["open_spans"] in ([], ["step", BACKWARD])
 
 
 def test_binomial_tail_matches_exact_sums() -> None:

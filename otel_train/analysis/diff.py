@@ -122,8 +122,10 @@ def _summary(values: np.ndarray) -> dict[str, Any]:
 def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Sequence[str] = SYNC_PHASES
               ) -> dict[str, Any]:
     """The ``diff --json`` object: phases, ranks, findings (regressions first), steps, thresholds."""
-    shared = np.intersect1d(_steps_of(a), _steps_of(b))
-    steps = shared if shared.size else None
+    steps_a, steps_b = _steps_of(a), _steps_of(b)
+    shared = np.intersect1d(steps_a, steps_b)
+    # Only the shared steps, unless there are none, or they are all either run has (nothing to drop).
+    steps = shared if shared.size and shared.size < max(steps_a.size, steps_b.size) else None
     (raw_a, judged_a), (raw_b, judged_b) = _samples(a, steps, sync), _samples(b, steps, sync)
     order = list(dict.fromkeys([*a.phase_order(), *b.phase_order()]))
     names = [n for n in order if any(k[1] == n for k in raw_a) and any(k[1] == n for k in raw_b)]
@@ -143,7 +145,7 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
         "phases": phases,
         "ranks": ranks,
         "findings": _findings(phases, ranks, thresholds),
-        "steps": {"a": int(_steps_of(a).size), "b": int(_steps_of(b).size), "shared": int(shared.size)},
+        "steps": {"a": int(steps_a.size), "b": int(steps_b.size), "shared": int(shared.size)},
         "thresholds": {"max_p": thresholds.max_p, "min_pct": thresholds.min_pct, "min_ms": thresholds.min_ms},
     }
 

@@ -253,7 +253,7 @@ def mann_whitney(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     if n1 == 0 or n2 == 0:
         return math.nan, math.nan
     both = np.concatenate([a, b])
-    order = np.argsort(both, kind="mergesort")
+    order = np.argsort(both)  # tied values get their average rank below, so any sort order does
     ordered = both[order]
     # Average ranks of tied runs: each run [start, end) gets (start + end + 1) / 2.
     edges = np.flatnonzero(np.diff(ordered)) + 1
