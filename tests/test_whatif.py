@@ -127,9 +127,17 @@ def test_a_single_rank_or_no_collective_has_nothing_to_compare(tmp_path: Path) -
     (p,) = [Proc(rank=0, world_size=1)]
     p.steps(range(5))
     p.shutdown()
-    write_run(tmp_path, [p])
-    out = whatif(load_run(tmp_path))
+    write_run(tmp_path / "one", [p])
+    out = whatif(load_run(tmp_path / "one"))
     assert out["steps"] == 0 and out["slowdown"] is None and out["by_rank"] == []
+    procs = [Proc(rank=r, world_size=2) for r in range(2)]
+    for p in procs:
+        p.steps(range(12), {DATA_FETCH: 5.0, FORWARD: 20.0})  # no backward: nothing says where ranks wait
+        p.shutdown()
+    write_run(tmp_path / "nosync", procs)
+    assert whatif(load_run(tmp_path / "nosync"))["steps"] == 0
+    out = whatif(load_run(tmp_path / "nosync"), sync=(FORWARD,))  # unless the user names the collective
+    assert out["steps"] == 11 and out["sync"] == [FORWARD]
 
 
 def test_whatif_cli_json_text_and_exit_codes(tmp_path: Path) -> None:

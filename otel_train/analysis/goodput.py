@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run
+from otel_train.analysis.stats import columns
 from otel_train.phases import CHECKPOINT, EVAL, STEP
 
 Intervals = tuple[np.ndarray, np.ndarray]
@@ -89,10 +90,7 @@ def _attempt_layers(attempts: list[list[ProcessState]], layers: dict[str, list[I
 def _steps(d: ProcessState) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Step spans of one process: step numbers, start and end times, and whether each completed
     (closed without error). A step still open at the end lasts until the process's last record."""
-    series = d.phases.get(STEP)
-    steps = np.frombuffer(series.steps, np.int64) if series else np.empty(0, np.int64)
-    durs = np.frombuffer(series.durs, np.float64) if series else np.empty(0)
-    ends = np.frombuffer(series.ends, np.float64) if series else np.empty(0)
+    steps, durs, ends = columns(d, STEP)
     failed = {e.step for e in d.errors if e.name == STEP}
     done = ~np.isin(steps, list(failed)) if failed else np.ones(steps.size, bool)
     unclosed = [u for u in d.unclosed if u.name == STEP and u.step is not None]
@@ -105,11 +103,8 @@ def _steps(d: ProcessState) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 
 
 def _closed(d: ProcessState, name: str) -> Intervals:
-    series = d.phases.get(name)
-    if series is None:
-        return np.empty(0), np.empty(0)
-    ends = np.frombuffer(series.ends, np.float64)
-    return ends - np.frombuffer(series.durs, np.float64) / 1000.0, ends
+    _, durs, ends = columns(d, name)
+    return ends - durs / 1000.0, ends
 
 
 def _concat(parts: list[Intervals]) -> Intervals:

@@ -26,12 +26,19 @@ def median(values: Sequence[float]) -> float:
     return quantiles(np.asarray(values, dtype=float), (0.5,))[0]
 
 
-def durations(d: ProcessState, phase: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, ms) columns of one phase's closed spans, zero-copy views of the digest's arrays."""
+def columns(d: ProcessState, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, ms, end times) of one phase's closed spans, zero-copy views of the state's arrays."""
     series = d.phases.get(phase)
     if series is None or not series.durs:
-        return np.empty(0, np.int64), np.empty(0, np.float64)
-    return np.frombuffer(series.steps, dtype=np.int64), np.frombuffer(series.durs, dtype=np.float64)
+        return np.empty(0, np.int64), np.empty(0, np.float64), np.empty(0, np.float64)
+    return (np.frombuffer(series.steps, dtype=np.int64), np.frombuffer(series.durs, dtype=np.float64),
+            np.frombuffer(series.ends, dtype=np.float64))
+
+
+def durations(d: ProcessState, phase: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, ms) columns of one phase's closed spans (see :func:`columns`)."""
+    steps, durs, _ = columns(d, phase)
+    return steps, durs
 
 
 def per_step(d: ProcessState, phase: str) -> tuple[np.ndarray, np.ndarray]:

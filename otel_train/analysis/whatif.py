@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run
-from otel_train.analysis.stats import peer_medians
+from otel_train.analysis.stats import columns, peer_medians
 from otel_train.phases import BACKWARD, STEP
 
 SYNC_PHASES = (BACKWARD,)
@@ -74,23 +74,14 @@ class _Events:
     durs: np.ndarray
 
 
-def _series(d: ProcessState, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    s = d.phases.get(name)
-    if s is None or not s.durs:
-        return np.empty(0, np.int64), np.empty(0), np.empty(0)
-    return (np.frombuffer(s.steps, np.int64), np.frombuffer(s.durs, np.float64),
-            np.frombuffer(s.ends, np.float64))
-
-
 def _events(d: ProcessState, sync: Sequence[str]) -> _Events:
     keys, ends, durs = [], [], []
     for i, name in enumerate(sync):
-        steps, dur, end = _series(d, name)
+        steps, dur, end = columns(d, name)
         ok = steps != NO_STEP
         keys.append(steps[ok] * len(sync) + i)
         ends.append(end[ok])
-        # Without a collective phase the step's end is the synchronisation point, of no length.
-        durs.append(np.zeros(int(ok.sum())) if name == STEP else dur[ok])
+        durs.append(dur[ok])
     k, e, du = np.concatenate(keys), np.concatenate(ends), np.concatenate(durs)
     order = np.lexsort((e, k))
     k, e, du = k[order], e[order], du[order]
@@ -108,10 +99,11 @@ def _local_phases(group: Sequence[ProcessState]) -> list[str]:
 def sync_table(group: Sequence[ProcessState], sync: Sequence[str] = SYNC_PHASES,
                window: Window | None = None) -> SyncTable | None:
     """The :class:`SyncTable` of one group (ranks that ran together), over steps ``window`` (inclusive)
-    when given; None with fewer than two ranks or two shared collectives."""
-    if len(group) < 2:
+    when given; None with fewer than two ranks or two shared collectives (no ``sync`` phase: the
+    model does not apply)."""
+    names = [n for n in sync if all(n in d.phases for d in group)]
+    if len(group) < 2 or not names:
         return None
-    names = [n for n in sync if all(n in d.phases for d in group)] or [STEP]
     events = [_events(d, names) for d in group]
     axis = reduce(np.intersect1d, [e.keys for e in events])
     if window is not None:
@@ -119,14 +111,15 @@ def sync_table(group: Sequence[ProcessState], sync: Sequence[str] = SYNC_PHASES,
         axis = axis[(steps >= window[0]) & (steps <= window[1])]
     if axis.size < 2:
         return None
-    phases = list(dict.fromkeys([*names, *_local_phases(group), UNTRACED]))
+    local = _local_phases(group)
+    phases = list(dict.fromkeys([*names, *local, UNTRACED]))
     work = np.zeros((axis.size, len(group), len(phases)))
     starts, ends = np.empty((axis.size, len(group))), np.empty((axis.size, len(group)))
     for j, (d, ev) in enumerate(zip(group, events)):
         at = np.searchsorted(ev.keys, axis)
         starts[:, j], ends[:, j] = ev.starts[at], ev.ends[at]
-        for c, name in enumerate(phases[:-1]):
-            work[:, j, c] = _assign(d, name, starts[:, j], ends[:, j])
+        for name in local:
+            work[:, j, phases.index(name)] = _assign(d, name, starts[:, j], ends[:, j])
     work[1:, :, -1] = (starts[1:] - ends[:-1]) * 1000.0 - work[1:].sum(axis=2)
     offset = _host_offsets(ends, [d.host for d in group])
     last_arrival = (starts - offset).max(axis=1, keepdims=True)
@@ -154,7 +147,7 @@ def _host_offsets(ends: np.ndarray, hosts: list[str | None]) -> np.ndarray:
 
 def _assign(d: ProcessState, name: str, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
     """ms of ``name`` spans that ended between collective k-1's end and collective k's start, per k."""
-    _, durs, span_ends = _series(d, name)
+    _, durs, span_ends = columns(d, name)
     k = np.searchsorted(ends, span_ends, side="left")
     ok = (k >= 1) & (k < ends.size)
     # Not nested in (or overlapping) the collective; the slack covers float rounding of Unix times.

@@ -39,7 +39,8 @@ def _pct(row: dict[str, Any]) -> str:
 
 def _render(result: dict[str, Any], out: Console) -> None:
     if not result["steps"]:
-        out.print("What-if: no steps to replay (it needs two or more ranks that share synchronised steps).")
+        out.print(f"What-if: no steps to replay: it needs two or more ranks that share steps with the collective "
+                  f"phase {', '.join(result['sync'])} (--sync names others).")
         return
     ms = result["step_ms"]
     out.print(
