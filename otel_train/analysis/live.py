@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,16 +46,20 @@ from otel_train.analysis.findings import (
     CRASH, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
 )
 from otel_train.analysis.records import AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, Warn, head
-from otel_train.analysis.spans import STATUS_OPEN, ProcessState, Run, assign_attempts
+from otel_train.analysis.spans import STATUS_OPEN, PhaseSeries, ProcessState, Run, assign_attempts
 from otel_train.analysis.stacks import clean_stacks
 from otel_train.config import Settings
 from otel_train.phases import STEP
 from otel_train.stall import stall_threshold
 
 STRAGGLERS_EVERY_S = 30.0
-"""The straggler rule is asked this often per running group (no single record changes its answer) ..."""
+"""The straggler rule is asked this often per running group (no single record changes its answer)."""
+STRAGGLER_COST_FACTOR = 20.0
+"""... or every this many times what asking it took, if that is longer (it costs ~2 ms per rank)."""
 RECENT_STEPS = 50
-"""... over the group's last this many steps."""
+"""The straggler rule looks at a group's last this many steps."""
+SPANS_PER_STEP = 16
+"""Spans of one name per step the recent-steps view allows for (more: its window holds fewer steps)."""
 DEAD_AFTER_HEARTBEATS = 3
 """A process that wrote nothing for this many heartbeat periods is dead (or, on this host and alive, silent)."""
 RESTART_GRACE_S = 60.0
@@ -231,6 +236,24 @@ class LiveProcess:
         return "stalled" if self.stalled(now) else "running"
 
 
+def _recent(state: ProcessState, first_step: int) -> ProcessState:
+    """A view of ``state`` with only what the straggler rule reads (phases, parents, host) for steps from
+    ``first_step`` on, so asking it costs the same at step 100 and at step 100,000. Only the newest
+    ``RECENT_STEPS`` × :data:`SPANS_PER_STEP` spans of a name are looked at (they end in step order)."""
+    view = ProcessState(state.source, state.rank, state.attempt, state.instance)
+    view.host, view.parents = state.host, state.parents
+    tail = RECENT_STEPS * SPANS_PER_STEP
+    for name, series in state.phases.items():
+        steps = np.frombuffer(series.steps, dtype=np.int64)[-tail:]
+        keep = steps >= first_step
+        if keep.any():
+            durs = np.frombuffer(series.durs, dtype=np.float64)[-tail:]
+            ends = np.frombuffer(series.ends, dtype=np.float64)[-tail:]
+            view.phases[name] = PhaseSeries(array("q", steps[keep].tobytes()), array("d", durs[keep].tobytes()),
+                                            array("d", ends[keep].tobytes()))
+    return view
+
+
 def _restarts_left(env: Any) -> int:
     """Restarts torchrun may still make after this attempt, from the recorded environment."""
     if not isinstance(env, Mapping):
@@ -380,11 +403,15 @@ class LiveRun:
         order = Run([lp.state for lp in self.procs.values()]).phase_order()
         found = []
         for key in due:
-            self._next_stragglers[key] = now + STRAGGLERS_EVERY_S
+            began = time.perf_counter()
             states = [lp.state for lp in groups[key]]
             last = max((s.final_step for s in states if s.final_step is not None), default=None)
             if last is not None:
-                found += straggler_findings(states, order, (last - RECENT_STEPS + 1, last))
+                first = last - RECENT_STEPS + 1
+                found += straggler_findings([_recent(s, first) for s in states], order, (first, last))
+            # Its cost grows with the ranks (about 2 ms each): asked less often, it stays near 5 % of a core.
+            took = time.perf_counter() - began
+            self._next_stragglers[key] = now + max(STRAGGLERS_EVERY_S, STRAGGLER_COST_FACTOR * took)
         current = {_key(f) for f in found}
         events = self._raise(found, groups, running, now)
         judged = {attempt for _, attempt in due}
