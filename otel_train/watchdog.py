@@ -40,45 +40,46 @@ MAX_TICK_S = 1.0
 
 _GAMMA = 1.02
 _INV_LOG_GAMMA = 1.0 / math.log(_GAMMA)
+_BUCKETS = int(math.log(2**63) * _INV_LOG_GAMMA) + 2  # every duration an int64 of nanoseconds can hold
 _log = math.log
 
 
 class DurationSketch:
     """Closed-span durations per name, as log-spaced bucket counts (the DDSketch idea, ±1 % relative).
 
-    ``add`` runs on the hot path at every span end: one dict lookup, one logarithm, one counter bump,
-    no lock (a lost increment under a thread race is harmless to a p99). ``quantile`` runs on the
-    watchdog thread and reads a copy of the counts.
+    ``add`` runs on the hot path at every span end: one dict lookup, one logarithm, one list slot
+    bumped, no lock (a lost increment under a thread race is harmless to a p99). ``quantile`` runs on
+    the watchdog thread and reads a copy of the counts.
     """
 
     __slots__ = ("_buckets",)
 
     def __init__(self) -> None:
-        self._buckets: dict[str, dict[int, int]] = {}
+        self._buckets: dict[str, list[int]] = {}
 
     def add(self, name: str, dur_ns: int) -> None:
         """Count one closed span of ``name`` that lasted ``dur_ns`` nanoseconds."""
         counts = self._buckets.get(name)
         if counts is None:
-            counts = self._buckets[name] = {}
-        key = int(_log(dur_ns + 1) * _INV_LOG_GAMMA)
-        counts[key] = counts.get(key, 0) + 1
+            counts = self._buckets[name] = [0] * _BUCKETS
+        counts[int(_log(dur_ns + 1) * _INV_LOG_GAMMA)] += 1
 
     def quantile(self, name: str, q: float) -> tuple[int, float | None]:
         """(count, the ``q`` quantile in seconds, or None without durations) of ``name`` so far."""
         counts = self._buckets.get(name)
-        if not counts:
+        if counts is None:
             return 0, None
-        items = sorted(counts.copy().items())  # dict.copy is one C call: safe against concurrent adds
-        total = sum(c for _, c in items)
-        rank = q * total
-        seen = 0
-        for key, count in items:
+        counts = counts[:]  # one C-level copy: consistent against concurrent adds
+        total = sum(counts)
+        if not total:
+            return 0, None
+        rank, seen = q * total, 0
+        for key, count in enumerate(counts):
             seen += count
-            if seen >= rank:
+            if count and seen >= rank:
                 # The bucket's upper edge: a threshold errs on the late side, never on a false stall.
                 return total, (_GAMMA ** (key + 1)) / 1e9
-        return total, (_GAMMA ** (items[-1][0] + 1)) / 1e9
+        return total, None
 
 
 class InstantSink(Protocol):
