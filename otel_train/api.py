@@ -18,6 +18,8 @@ from opentelemetry.trace import Status, StatusCode
 
 from otel_train import _report
 from otel_train import context as step_context
+from otel_train._report import safe_str
+from otel_train._values import otel_attributes
 from otel_train.phases import STEP
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -90,8 +92,7 @@ class _Span:
             # it as incomplete, and a child must not write into its parent's file.
             if _tracing is not None:
                 if exc is not None:
-                    span.record_exception(exc, escaped=True)
-                    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+                    _record_error(span, exc)
                 span.end()
         return False
 
@@ -154,8 +155,10 @@ def log_trace_instant(name: str, /, **attributes: Any) -> None:
     if tracing.add_event:
         span = trace.get_current_span()
         if span.is_recording():
-            span.add_event(name, {k: v if isinstance(v, (str, bool, int, float)) else str(v)
-                                  for k, v in attributes.items()})
+            try:
+                span.add_event(name, otel_attributes(attributes))
+            except Exception as exc:  # a non-str name, a span whose own processors fail
+                _report.report_exception("copying an instant onto its span", exc)
 
 
 def log_trace_scalar(values: Mapping[str, int | float | bool]) -> None:
@@ -177,6 +180,17 @@ def log_trace_scalar(values: Mapping[str, int | float | bool]) -> None:
     if tracing is None:
         return
     tracing.scalar({k: _json_number(v) for k, v in values.items()})
+
+
+def _record_error(span: trace.Span, exc: BaseException) -> None:
+    """Mark ``span`` as failed by ``exc``; an exception whose ``__str__`` raises is still recorded."""
+    message = f"{type(exc).__name__}: {safe_str(exc)}"
+    try:
+        span.record_exception(exc, escaped=True)
+    except Exception:  # noqa: BLE001 - the SDK calls str(exc): record what we can without it
+        span.add_event("exception", {"exception.type": type(exc).__qualname__, "exception.message": safe_str(exc),
+                                     "exception.escaped": "True"})
+    span.set_status(Status(StatusCode.ERROR, message))
 
 
 def _is_plain_number(value: object) -> bool:

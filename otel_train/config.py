@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from otel_train.errors import ConfigError
+from otel_train.redact import check_entry, strip_userinfo
 
 ENV_PREFIX = "OTEL_TRAIN_"
 ENV_TRACES_EXPORTER = "OTEL_TRACES_EXPORTER"
@@ -33,6 +34,9 @@ _DOTTED = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"
 # "module:function" (function may be dotted) or "module.function" (at least one dot).
 _HANDLER_RE = re.compile(rf"{_DOTTED}:{_DOTTED}|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 _MAX_SHOWN = 80
+MAX_FILE_SIZE_MB = 1024 * 1024  # 1 TiB: rotation beyond that is no rotation
+MAX_BACKUP_COUNT = 10_000  # each rotation renames every segment
+MAX_INT = 2**53  # every JSON reader (doubles) holds it exactly; readers reject larger counters
 
 Handler = str | Callable[..., Any]
 
@@ -66,6 +70,7 @@ class Settings:
     heartbeat_s: float = 10.0
     stall_min_s: float = 10.0
     stall_factor: float = 5.0
+    redact: tuple[str, ...] = ()
 
 
 # Converters take (value, from_env) and return the typed value; they raise ValueError or TypeError,
@@ -84,52 +89,58 @@ def _bool(value: Any, from_env: bool) -> bool:
     raise TypeError(value)
 
 
-def _int_at_least(minimum: int) -> Converter:
+def _int_at_least(minimum: int, maximum: int = MAX_INT) -> Converter:
     def convert(value: Any, from_env: bool) -> int:
         if from_env:
             value = int(value.strip())
         elif isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(value)
-        if value < minimum:
+        if not minimum <= value <= maximum:
             raise ValueError(value)
-        return value
+        return int(value)
 
     return convert
 
 
-def _positive_float(value: Any, from_env: bool) -> float:
-    if from_env:
-        value = float(value.strip())
-    elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(value)
-    return float(value)
+def _float_range(minimum: float, maximum: float = math.inf, *, above: bool = False) -> Converter:
+    """Finite floats from ``minimum`` (excluded when ``above``) to ``maximum``."""
+
+    def convert(value: Any, from_env: bool) -> float:
+        if from_env:
+            value = value.strip()
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(value)
+        number = float(value)  # a huge int raises OverflowError: a bad value like any other
+        if not math.isfinite(number) or number < minimum or number > maximum or (above and number == minimum):
+            raise ValueError(value)
+        return number
+
+    return convert
+
+
+_positive_float = _float_range(0.0, above=True)
 
 
 def _float_at_least(minimum: float) -> Converter:
-    def convert(value: Any, from_env: bool) -> float:
-        if from_env:
-            value = float(value.strip())
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(value)
-        if not math.isfinite(value) or value < minimum:
-            raise ValueError(value)
-        return float(value)
-
-    return convert
+    return _float_range(minimum)
 
 
-def _text(value: Any, from_env: bool) -> str:
-    if not isinstance(value, str) or not value.strip():
+def _line(value: Any) -> str:
+    """A non-empty str without NUL: what every text setting must be."""
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
         raise ValueError(value)
     return value.strip()
 
 
+def _text(value: Any, from_env: bool) -> str:
+    text = _line(value)
+    text.encode()  # a lone surrogate (an undecodable env byte) cannot be written to any record
+    return text
+
+
 def _path(value: Any, from_env: bool) -> str:
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    return _text(value, from_env)
+    # Paths may hold undecodable bytes (surrogate-escaped): the OS takes them; NUL it does not.
+    return _line(os.fspath(value) if isinstance(value, os.PathLike) else value)
 
 
 def _source(value: Any, from_env: bool) -> str:
@@ -179,6 +190,30 @@ def _handlers(value: Any, from_env: bool) -> tuple[Handler, ...]:
     return tuple(handlers)
 
 
+def _redact(value: Any, from_env: bool) -> tuple[str, ...]:
+    entries = _split_patterns(value) if from_env else _items(value)
+    for entry in entries:
+        check_entry(entry)
+    return tuple(entries)
+
+
+def _split_patterns(text: str) -> list[str]:
+    """Comma-separated entries; a comma inside ``{...}`` or ``[...]`` belongs to a pattern (``{3,}``)."""
+    entries, current, depth = [], [], 0
+    for char in text:
+        if char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth = max(0, depth - 1)
+        if char == "," and depth == 0:
+            entries.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    entries.append("".join(current))
+    return [entry.strip() for entry in entries if entry.strip()]
+
+
 def _optional(convert: Converter) -> Converter:
     def optional(value: Any, from_env: bool) -> Any:
         return None if value is None else convert(value, from_env)
@@ -194,27 +229,28 @@ class _Field:
 
 _FIELDS: dict[str, _Field] = {
     "enabled": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
-    "save_path": _Field(_optional(_path), "a non-empty directory path"),
+    "save_path": _Field(_optional(_path), "a non-empty directory path without NUL bytes"),
     "trace_hooks": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
-    "batch_stats_every": _Field(_int_at_least(0), "a whole number >= 0 (0 disables)"),
-    "max_file_size_mb": _Field(_positive_float, "a number of megabytes > 0, e.g. 128 or 0.5"),
-    "backup_count": _Field(_int_at_least(0), "a whole number >= 0"),
+    "batch_stats_every": _Field(_int_at_least(0), "a whole number from 0 to 2**53 (0 disables)"),
+    "max_file_size_mb": _Field(_float_range(0.0, MAX_FILE_SIZE_MB, above=True),
+                               f"a number of megabytes > 0 and at most {MAX_FILE_SIZE_MB}, e.g. 128 or 0.5"),
+    "backup_count": _Field(_int_at_least(0, MAX_BACKUP_COUNT), f"a whole number from 0 to {MAX_BACKUP_COUNT}"),
     "source": _Field(_source, "a non-empty name of letters, digits, '_', '.' or '-' (it is part of a file name)"),
-    "run_id": _Field(_optional(_text), "a non-empty string shared by all ranks of the run"),
+    "run_id": _Field(_optional(_text), "a non-empty string shared by all ranks of the run (no NUL, valid UTF-8)"),
     "handlers": _Field(
         _handlers,
         "comma-separated 'module:function' or 'module.function' paths (in config/kwargs also a list of those or callables)",
     ),
-    "rank": _Field(_optional(_int_at_least(0)), "a whole number >= 0"),
-    "local_rank": _Field(_optional(_int_at_least(0)), "a whole number >= 0"),
-    "world_size": _Field(_optional(_int_at_least(1)), "a whole number >= 1"),
-    "attempt": _Field(_optional(_int_at_least(0)), "a whole number >= 0"),
-    "job_id": _Field(_optional(_text), "a non-empty string"),
+    "rank": _Field(_optional(_int_at_least(0)), "a whole number from 0 to 2**53"),
+    "local_rank": _Field(_optional(_int_at_least(0)), "a whole number from 0 to 2**53"),
+    "world_size": _Field(_optional(_int_at_least(1)), "a whole number from 1 to 2**53"),
+    "attempt": _Field(_optional(_int_at_least(0)), "a whole number from 0 to 2**53"),
+    "job_id": _Field(_optional(_text), "a non-empty string (no NUL, valid UTF-8)"),
     "fsync": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "trace_per_step": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "log_bridge": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "log_level": _Field(_log_level, f"a logging level name, one of {', '.join(LOG_LEVELS)}"),
-    "telemetry_every": _Field(_int_at_least(0), "a whole number of steps >= 0 (0 disables)"),
+    "telemetry_every": _Field(_int_at_least(0), "a whole number of steps from 0 to 2**53 (0 disables)"),
     "telemetry_sources": _Field(_names(TELEMETRY_SOURCES), f"a comma list of {', '.join(TELEMETRY_SOURCES)}"),
     "traces_exporter": _Field(
         _names(EXPORTERS), "a comma list of jsonl, otlp, console, or 'none' alone (e.g. 'jsonl,otlp')"
@@ -223,6 +259,7 @@ _FIELDS: dict[str, _Field] = {
     "heartbeat_s": _Field(_float_at_least(0.0), "a number of seconds >= 0 (0 disables heartbeats)"),
     "stall_min_s": _Field(_positive_float, "a number of seconds > 0"),
     "stall_factor": _Field(_float_at_least(1.0), "a number >= 1 (a multiple of the name's p99 duration)"),
+    "redact": _Field(_redact, "a comma list of more secret name parts (e.g. WANDB) and 're:<regex>' value patterns"),
 }
 
 ENV_VARS: dict[str, str] = {
@@ -233,7 +270,10 @@ _KEY_BY_ENV = {var: key for key, var in ENV_VARS.items()}
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
+    try:
+        text = strip_userinfo(repr(value))  # repr: one line, NUL and surrogates escaped
+    except Exception:  # noqa: BLE001 - a value whose repr raises is still a bad value
+        text = f"<{type(value).__name__} object>"
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
@@ -246,7 +286,7 @@ def _convert(key: str, value: Any, where: str, from_env: bool) -> Any:
     field = _FIELDS[key]
     try:
         return field.convert(value, from_env)
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - whatever a bad value raises (OverflowError, a broken __eq__ ...)
         raise ConfigError(f"invalid {where}: got {_shown(value)}, expected {field.expect}") from None
 
 
@@ -265,11 +305,13 @@ def _env_layer(env: Mapping[str, str]) -> dict[str, Any]:
 
 
 def _mapping_layer(mapping: Mapping[str, Any], what: str) -> dict[str, Any]:
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"invalid {what}s: got {_shown(mapping)}, expected a mapping of setting names to values")
     values: dict[str, Any] = {}
     for key, value in mapping.items():
-        if key not in _FIELDS:
-            hint = _suggest(str(key), list(_FIELDS))
-            raise ConfigError(f"unknown {what} {key!r}: {hint}")
+        if not isinstance(key, str) or key not in _FIELDS:
+            hint = _suggest(key, list(_FIELDS)) if isinstance(key, str) else "setting names are strings"
+            raise ConfigError(f"unknown {what} {_shown(key)}: {hint}")
         values[key] = _convert(key, value, f"{what} {key!r}", from_env=False)
     return values
 

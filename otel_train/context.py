@@ -67,10 +67,9 @@ def current_step() -> int | None:
 def set_step(step: int, epoch: int | None = None, iteration: int | None = None) -> bool:
     """Make ``step`` current; returns whether the step changed (tags are cleared when it does)."""
     global _latest, _first_step
-    for label, value in (("step", step), ("epoch", epoch), ("iteration", iteration)):
-        if value is not None and not _is_integral(value):
-            raise TypeError(f"otel_train.set_step: {label} must be an int, got {type(value).__name__}")
-    step = int(step)
+    step = _counter("step", step)
+    epoch = None if epoch is None else _counter("epoch", epoch)
+    iteration = None if iteration is None else _counter("iteration", iteration)
     if _first_step is None:
         _first_step = step
     old = current()
@@ -79,8 +78,8 @@ def set_step(step: int, epoch: int | None = None, iteration: int | None = None) 
     state = StepState(
         step,
         step - _first_step,
-        old.epoch if epoch is None else int(epoch),
-        (None if changed else old.iteration) if iteration is None else int(iteration),
+        old.epoch if epoch is None else epoch,
+        (None if changed else old.iteration) if iteration is None else iteration,
         tags,
     )
     _latest = state
@@ -107,6 +106,19 @@ def reset() -> None:
     _latest = EMPTY
     _first_step = None
     _current.set(None)
+
+
+MAX_COUNTER = 2**53
+"""Steps, epochs and iterations are ints from 0 to 2**53: every JSON reader (doubles) holds them exactly."""
+
+
+def _counter(label: str, value: object) -> int:
+    if not _is_integral(value):
+        raise TypeError(f"otel_train.set_step: {label} must be an int from 0 to 2**53, got {type(value).__name__}")
+    number = int(value)  # type: ignore[call-overload]
+    if not 0 <= number <= MAX_COUNTER:
+        raise ValueError(f"otel_train.set_step: {label} must be an int from 0 to 2**53, got {number}")
+    return number
 
 
 def _is_integral(value: object) -> bool:

@@ -9,53 +9,35 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, Callable
 
 from otel_train import _report, api
+from otel_train._report import safe_str
 from otel_train.config import Settings, settings_summary
+from otel_train.redact import REDACTED, Redactor, strip_userinfo  # noqa: F401 - REDACTED: read from here too
 from otel_train.resource import RunContext
 
 EXCEPTION_INSTANT = "exception"
-REDACTED = "<redacted>"
 TRACEBACK_FRAMES = 10
 
-_SECRET_NAME_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL", "AUTH")
-# user:password@ in a URL value (e.g. a proxy or registry URL in an innocently named variable).
-_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 _MAX_ENV_VALUE = 1024
 _MAX_MESSAGE = 2000
 _GIT_TIMEOUT_S = 2.0
 _DISTRIBUTIONS = {"torch": "torch", "opentelemetry_sdk": "opentelemetry-sdk", "otel_train": "otel-train"}
 
 
-def is_secret_name(name: str) -> bool:
-    """Whether an environment variable's value must never be written (tokens, keys, OTLP headers)."""
-    upper = name.upper()
-    return upper.endswith("_HEADERS") or any(part in upper for part in _SECRET_NAME_PARTS)
-
-
-def redacted_env(env: dict[str, str] | os._Environ[str] | None = None) -> dict[str, str]:
-    """A copy of the environment with secret values replaced by ``<redacted>`` and long values cut."""
-    env = os.environ if env is None else env
-    snapshot: dict[str, str] = {}
-    for name in sorted(env):
-        value = env[name]
-        if is_secret_name(name):
-            value = REDACTED
-        else:
-            value = _URL_USERINFO.sub(REDACTED + "@", value)
-            if len(value) > _MAX_ENV_VALUE:
-                value = value[:_MAX_ENV_VALUE] + "..."
-        snapshot[name] = value
-    return snapshot
+def redacted_env(env: Mapping[str, str] | None = None, redactor: Redactor | None = None) -> dict[str, str]:
+    """A copy of the environment with secret values replaced by ``<redacted>`` and long values cut
+    (rules: ``otel_train.redact``)."""
+    return (redactor or Redactor()).env(os.environ if env is None else env, _MAX_ENV_VALUE)
 
 
 def _version(distribution: str) -> str | None:
@@ -100,23 +82,36 @@ def git_state(cwd: str | None = None, timeout_s: float = _GIT_TIMEOUT_S) -> dict
 
 def process_start_attrs(settings: Settings, ctx: RunContext) -> dict[str, Any]:
     """Attributes of the ``process_start`` instant: resolved settings, versions, git state, argv, cwd,
-    a redacted environment snapshot and the host name."""
+    a redacted environment snapshot and the host name. Secrets are redacted (``otel_train.redact``,
+    plus the ``redact`` setting) in the environment, argv and every text value."""
+    redactor = Redactor(settings.redact)
     try:
         cwd = os.getcwd()
     except OSError:  # the working directory was deleted
         cwd = None
     return {
-        "settings": settings_summary(settings),
+        "settings": _redacted(settings_summary(settings), redactor),
         "launcher": ctx.launcher,
         "run_id_known": ctx.run_id_known,
         "versions": versions(),
         "git": git_state(cwd) if cwd is not None else None,
-        "argv": list(sys.argv),
-        "cwd": cwd,
-        "executable": sys.executable,
+        "argv": redactor.argv(sys.argv),
+        "cwd": None if cwd is None else redactor.text(cwd),
+        "executable": redactor.text(sys.executable),
         "hostname": socket.gethostname(),
-        "env": redacted_env(),
+        "env": redacted_env(redactor=redactor),
     }
+
+
+def _redacted(summary: dict[str, Any], redactor: Redactor) -> dict[str, Any]:
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return redactor.text(value)
+        if isinstance(value, list):
+            return [clean(item) for item in value]
+        return value
+
+    return {key: clean(value) for key, value in summary.items()}
 
 
 def traceback_summary(tb: TracebackType | None, limit: int = TRACEBACK_FRAMES) -> list[str]:
@@ -130,13 +125,13 @@ def record_exception(
 ) -> None:
     """Write an ``exception`` instant for an uncaught exception; never raises."""
     try:
-        message = str(exc) if exc is not None else ""
+        message = strip_userinfo(safe_str(exc, _MAX_MESSAGE)) if exc is not None else ""
         api.log_trace_instant(
             EXCEPTION_INSTANT,
             type=f"{exc_type.__module__}.{exc_type.__qualname__}"
             if exc_type.__module__ != "builtins"
             else exc_type.__qualname__,
-            message=message[:_MAX_MESSAGE],
+            message=message,
             traceback=traceback_summary(tb),
             thread=thread,
         )

@@ -8,7 +8,9 @@ import threading
 from typing import Callable
 
 from otel_train import _report, api
+from otel_train._report import safe_str
 from otel_train.errors import ConfigError
+from otel_train.redact import strip_userinfo
 
 LOG_INSTANT = "log"
 _MAX_MESSAGE = 2000
@@ -68,8 +70,8 @@ def _message(record: logging.LogRecord) -> str:
     except Exception:  # noqa: BLE001 - bad %-args: keep the template rather than lose the record
         message = str(record.msg)
     if record.exc_info and record.exc_info[0] is not None:
-        message = f"{message} [{record.exc_info[0].__name__}: {record.exc_info[1]}]"
-    return message[:_MAX_MESSAGE]
+        message = f"{message} [{record.exc_info[0].__name__}: {safe_str(record.exc_info[1])}]"
+    return strip_userinfo(message[:_MAX_MESSAGE])  # a library logging a URL must not leak its password
 
 
 def install(level: str) -> Callable[[], None]:

@@ -34,6 +34,7 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link
 from otel_train import _report, api
 from otel_train import context as step_context
 from otel_train import schema as S
+from otel_train._values import clean_text
 from otel_train._version import __version__
 from otel_train.config import Settings, resolve_settings
 from otel_train.errors import ConfigError
@@ -44,11 +45,13 @@ from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_proc
 from otel_train.handlers import load_handlers
 from otel_train.phases import STEP
 from otel_train.resource import RunContext, build_resource, detect_run_context
-from otel_train.spans import LeanTracer
+from otel_train.spans import CleanTracer, LeanTracer
 from otel_train.watchdog import DurationSketch, Watchdog
 
 TRAINING_ATTR_PREFIX = "training."
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
+SIGTERM_RETRY_S = 0.005
+SIGTERM_MAX_DEFERRALS = 200  # about a second; a write blocked that long (a hung mount) is not waited for
 
 
 def step_trace_id(run_id: str, step: int) -> int:
@@ -101,7 +104,7 @@ class TrainingContextProcessor(SpanProcessor):
         if state.iteration is not None:
             span.set_attribute(S.ATTR_ITERATION, state.iteration)
         if state.tags:
-            span.set_attribute(S.ATTR_TAGS, list(state.tags))
+            span.set_attribute(S.ATTR_TAGS, [clean_text(tag) for tag in state.tags])
 
 
 class _Runtime:
@@ -220,7 +223,7 @@ def _build(rt: _Runtime) -> None:
             provider.add_span_processor(TrainingContextProcessor())
         for processor in rt.other_processors + rt.batch_processors:
             provider.add_span_processor(processor)
-        tracer: trace.Tracer = provider.get_tracer("otel_train", __version__)
+        tracer: trace.Tracer = CleanTracer(provider.get_tracer("otel_train", __version__))
     else:
         # Nothing but the JSONL sink will see these spans: take the lean path (see otel_train.spans).
         tracer = LeanTracer(rt.jsonl, id_generator)
@@ -271,9 +274,10 @@ def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> Rotating
             backup_count=settings.backup_count,
             fsync=settings.fsync,
         )
-    except OSError as exc:
-        raise ConfigError(f"cannot write trace files in {log_dir}: {exc.strerror or exc}; "
-                          "set save_path (OTEL_TRAIN_SAVE_PATH) to a writable directory") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (config rejects NUL)
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _report.safe_str(exc)
+        raise ConfigError(f"cannot write trace files in {log_dir!r}: {reason}; "
+                          "set save_path (OTEL_TRAIN_SAVE_PATH) to a writable directory") from None
 
 
 def _static_fields(ctx: RunContext) -> dict[str, Any]:
@@ -364,24 +368,42 @@ def shutdown(timeout_s: float = 5.0) -> None:
             _quietly(processor.shutdown)
         if dropped:
             _report.report("spans dropped", f"{dropped} span(s) could not be exported (collector unreachable or "
-                           "queue full); the JSONL file has them all", count=dropped)
+                           "queue full); the JSONL file has them all")
         if jsonl is not None:
-            if dropped:
-                jsonl.instant(S.INSTANT_SPANS_DROPPED, {"count": dropped})
-            writer = rt.writer
-            if writer is not None and writer.errors:
-                jsonl.instant(S.INSTANT_WRITE_ERRORS, {"count": writer.errors, "dropped_bytes": writer.dropped_bytes})
-            jsonl.instant(S.INSTANT_PROCESS_END, {
-                "records": jsonl.records_written + 1,
-                "incomplete_spans": incomplete,
-                "spans_dropped": dropped,
-                "write_errors": writer.errors if writer is not None else 0,
-            })
-            jsonl.shutdown()
+            _finish_file(jsonl, rt.writer, incomplete, dropped)
+        _report_at_shutdown(jsonl.dropped_records if jsonl is not None else 0)
         for handler in rt.record_handlers:
             if callable(getattr(handler, "shutdown", None)):
                 _quietly(handler.shutdown)
         step_context.reset()  # a later init() is a new session: relative steps count afresh
+
+
+def _finish_file(jsonl: JsonlSpanProcessor, writer: RotatingFileWriter | None, incomplete: int, dropped: int) -> None:
+    if dropped:
+        jsonl.instant(S.INSTANT_SPANS_DROPPED, {"count": dropped})
+    if writer is not None and (writer.errors or writer.lost_records):
+        jsonl.instant(S.INSTANT_WRITE_ERRORS, {"count": writer.errors, "dropped_bytes": writer.dropped_bytes,
+                                               "lost_records": writer.lost_records, "lost_bytes": writer.lost_bytes})
+    jsonl.finish(S.INSTANT_PROCESS_END, lambda seq, dropped_records: {
+        "records": seq,
+        "incomplete_spans": incomplete,
+        "spans_dropped": dropped,
+        "write_errors": writer.errors if writer is not None else 0,
+        "dropped_records": dropped_records,
+    })
+
+
+def _report_at_shutdown(dropped_records: int) -> None:
+    # Each fault printed one line when it first happened; one more line says what it all added up to.
+    parts = []
+    if dropped_records:
+        parts.append(f"{dropped_records} record(s) of this process are not in its trace file "
+                     "(process_end.dropped_records)")
+    repeated = {key: n for key, n in _report.counts().items() if n > 1}
+    if repeated:
+        parts.append("faults seen more than once: " + ", ".join(f"{key} ×{n}" for key, n in sorted(repeated.items())))
+    if parts:
+        _report.logger.warning("otel-train: at shutdown: %s", "; ".join(parts))
 
 
 def _teardown_partial(rt: _Runtime) -> None:
@@ -423,8 +445,19 @@ def _shutdown_at_multiprocessing_exit() -> None:
 
 def _chain_sigterm() -> None:
     previous = signal.getsignal(signal.SIGTERM)
+    deferred = 0
 
     def on_sigterm(signum: int, frame: Any) -> None:
+        nonlocal deferred
+        if _mid_record() and deferred < SIGTERM_MAX_DEFERRALS:
+            # The signal interrupted this thread in the middle of a record (or of init/shutdown):
+            # shutting down now would write later records and die before that one is whole, leaving
+            # a seq gap. Let it finish and take the signal again a moment later.
+            deferred += 1
+            timer = threading.Timer(SIGTERM_RETRY_S, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return
         shutdown(SIGTERM_SHUTDOWN_TIMEOUT_S)
         if callable(previous):
             previous(signum, frame)
@@ -437,6 +470,14 @@ def _chain_sigterm() -> None:
         signal.signal(signal.SIGTERM, on_sigterm)
     except (ValueError, OSError):  # not the main thread of the main interpreter
         pass
+
+
+def _mid_record() -> bool:
+    """Whether this thread holds the runtime's lock or the JSONL processor's (a record in progress)."""
+    if _lock._is_owned():  # type: ignore[attr-defined]
+        return True
+    rt = _active
+    return rt is not None and rt.jsonl is not None and rt.jsonl.holds_lock()
 
 
 def _after_fork_in_child() -> None:

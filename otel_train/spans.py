@@ -6,7 +6,7 @@ ever see a span, :class:`LeanTracer` makes :class:`LeanSpan` objects instead: re
 ``opentelemetry.trace.Span`` implementations (they live in the OTel context, so user OTel code nests
 under them), with the same field names the JSONL encoder reads from SDK spans, handed to the same
 ``SpanProcessor`` interface. The runtime uses the SDK's tracer whenever OTLP, console or custom
-handlers are configured.
+handlers are configured, behind :class:`CleanTracer`, which makes user attributes safe for the SDK.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import Event, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from otel_train._report import safe_str
+from otel_train._values import clean_text, otel_attributes
 
 _UNSET = Status(StatusCode.UNSET)
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -94,7 +97,7 @@ class LeanSpan(trace.Span):
         module = kind.__module__
         event = {
             "exception.type": kind.__qualname__ if module in (None, "builtins") else f"{module}.{kind.__qualname__}",
-            "exception.message": str(exception),
+            "exception.message": safe_str(exception, 2000),
             "exception.stacktrace": "".join(traceback.format_exception(exception)),
             "exception.escaped": str(escaped),
         }
@@ -110,7 +113,22 @@ class LeanSpan(trace.Span):
             self._processor.on_end(self)  # type: ignore[arg-type]
 
 
-class LeanTracer(trace.Tracer):
+class _Tracer(trace.Tracer):
+    """``start_as_current_span`` in terms of ``start_span``, for the two tracers below."""
+
+    @contextlib.contextmanager
+    def start_as_current_span(self, name: str, context: otel_context.Context | None = None,
+                              kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping[str, Any] | None = None,
+                              links: Sequence[Link] | None = None, start_time: int | None = None,
+                              record_exception: bool = True, set_status_on_exception: bool = True,
+                              end_on_exit: bool = True) -> Iterator[trace.Span]:
+        span = self.start_span(name, context, kind, attributes, links, start_time)
+        with trace.use_span(span, end_on_exit=end_on_exit, record_exception=record_exception,
+                            set_status_on_exception=set_status_on_exception) as current:
+            yield current
+
+
+class LeanTracer(_Tracer):
     """Makes :class:`LeanSpan` objects, handing each to ``processor`` at start and end."""
 
     def __init__(self, processor: SpanProcessor | None, id_generator: IdGenerator) -> None:
@@ -135,13 +153,23 @@ class LeanTracer(trace.Tracer):
             self._processor.on_start(span)  # type: ignore[arg-type]
         return span
 
-    @contextlib.contextmanager
-    def start_as_current_span(self, name: str, context: otel_context.Context | None = None,
-                              kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping[str, Any] | None = None,
-                              links: Sequence[Link] | None = None, start_time: int | None = None,
-                              record_exception: bool = True, set_status_on_exception: bool = True,
-                              end_on_exit: bool = True) -> Iterator[LeanSpan]:
-        span = self.start_span(name, context, kind, attributes, links, start_time)
-        with trace.use_span(span, end_on_exit=end_on_exit, record_exception=record_exception,
-                            set_status_on_exception=set_status_on_exception) as current:
-            yield current  # type: ignore[misc]
+
+class CleanTracer(_Tracer):
+    """The SDK's tracer behind a guard: names and attributes go through ``otel_attributes`` first.
+
+    The SDK walks attribute values recursively and calls ``str()`` on what it does not know, so a
+    circular dict, a 5,000-deep list or an object whose ``__str__`` raises would raise out of
+    ``start_span`` into training; OTLP would also fail a whole batch on a lone surrogate or an
+    integer beyond int64. Cleaned values are bounded and always encodable.
+    """
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+
+    def start_span(self, name: str, context: otel_context.Context | None = None,
+                   kind: SpanKind = SpanKind.INTERNAL, attributes: Mapping[str, Any] | None = None,
+                   links: Sequence[Link] | None = None, start_time: int | None = None,
+                   record_exception: bool = True, set_status_on_exception: bool = True) -> trace.Span:
+        name = clean_text(name) if isinstance(name, str) else safe_str(name)
+        return self._tracer.start_span(name, context, kind, otel_attributes(attributes), links, start_time,
+                                       record_exception, set_status_on_exception)

@@ -1,4 +1,4 @@
-"""The public API (CONTRACT "Python API") against real files written through the real OTel SDK."""
+"""The public API (README "Python API") against real files written through the real OTel SDK."""
 
 from __future__ import annotations
 
@@ -250,6 +250,88 @@ def test_step_context_tags_and_relative_step(run: Path) -> None:
 def test_set_step_rejects_non_integers() -> None:
     with pytest.raises(TypeError):
         ot.set_step(1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("value", "error"), [(None, TypeError), (2**63, ValueError), (2**53 + 1, ValueError),
+                                              (-1, ValueError), ("3", TypeError), (True, TypeError)])
+def test_set_step_takes_ints_from_0_to_2_53(value: object, error: type, run: Path) -> None:
+    """Issue 11: set_step(2**63) was accepted and written (readers reject it); None raised int()'s message."""
+    with pytest.raises(error, match=r"otel_train.set_step: step must be an int from 0 to 2\*\*53"):
+        ot.set_step(value)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="epoch"):
+        ot.set_step(1, epoch=-3)
+    ot.set_step(2**53, epoch=0, iteration=2**53)  # the bounds themselves are fine
+    ot.shutdown()
+    assert max(r.get("step", 0) for r in records(run)) == 2**53
+
+
+def test_unencodable_text_is_written_with_replacement_characters(run: Path) -> None:
+    """Issue 11: a span named os.fsdecode(b"...\\xff...") was dropped (seq gap); one bad tag lost its step."""
+    name = os.fsdecode(b"load_shard_\xff.bin")
+    ot.set_step(1)
+    with ot.log_trace_span(name, path=name):
+        ot.add_step_tag(os.fsdecode(b"bad\xfetag"))
+        ot.log_trace_instant(name, **{name: name})
+    with ot.log_trace_span("forward"):
+        ot.log_trace_scalar({name: 1.0})
+    ot.shutdown()
+    recs = records(run)
+    assert [r["seq"] for r in recs] == list(range(1, len(recs) + 1))
+    events = [r["event"] for r in recs]
+    assert events[1:] == ["load_shard_\ufffd.bin_start", "load_shard_\ufffd.bin", "load_shard_\ufffd.bin_end",
+                          "forward_start", "scalar", "forward_end", "process_end"]
+    assert recs[2]["tags"] == ["bad\ufffdtag"] and recs[-2]["tags"] == ["bad\ufffdtag"]
+    assert recs[2]["attrs"] == {"load_shard_\ufffd.bin": "load_shard_\ufffd.bin"}
+    assert recs[-1]["attrs"]["dropped_records"] == 0
+
+
+class _Unprintable:
+    def __str__(self) -> str:
+        raise KeyError("str() of a user object")
+
+    __repr__ = __str__
+
+
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise KeyError("str() of the exception")
+
+
+def _hostile_attrs() -> dict[str, object]:
+    circular: dict[str, object] = {}
+    circular["self"] = circular
+    deep: list = []
+    node = deep
+    for _ in range(5000):
+        node.append([])
+        node = node[0]
+    return {"circular": circular, "deep": deep, "unprintable": _Unprintable(), "big": 2**70,
+            "text": os.fsdecode(b"\xff")}
+
+
+@pytest.mark.parametrize("exporters", ["jsonl", "jsonl,console", "console"])
+def test_hostile_attribute_values_never_reach_training(exporters: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 11: with the OTel SDK in the path these raised RecursionError / the object's own error."""
+    ot.init(save_path=tmp_path, enabled=True, traces_exporter=exporters)
+    attrs = _hostile_attrs()
+    with ot.log_trace_span("forward", **attrs):
+        ot.log_trace_instant("note", **attrs)
+    with pytest.raises(_UnprintableError):  # the user's exception, unchanged
+        with ot.log_trace_span("backward"):
+            raise _UnprintableError()
+    ot.shutdown()
+    capsys.readouterr()
+    if "jsonl" not in exporters:
+        return
+    recs = records(tmp_path)
+    start, note, _, _, bwd_end = recs[1:6]
+    for rec in (start, note):
+        assert rec["attrs"]["circular"]["self"]["self"]  # bounded, not dropped
+        assert rec["attrs"]["unprintable"] == "<unprintable _Unprintable>"
+        assert rec["attrs"]["big"] in (2**70, str(2**70)) and rec["attrs"]["text"] == "\ufffd"
+    assert bwd_end["status"] == "error" and bwd_end["error"]["type"].endswith("_UnprintableError")
+    assert recs[-1]["attrs"]["dropped_records"] == 0
 
 
 def test_one_trace_per_step_shared_across_processes(tmp_path: Path) -> None:

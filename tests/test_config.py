@@ -8,6 +8,8 @@ from dataclasses import fields
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from otel_train.config import ENV_VARS, Settings, resolve_settings, settings_summary
 from otel_train.errors import ConfigError
@@ -44,6 +46,7 @@ CASES: dict[str, tuple[str, Any, Any]] = {
     "heartbeat_s": ("0", 2, 2.0),
     "stall_min_s": ("2.5", 3, 3.0),
     "stall_factor": ("3", 1, 1.0),
+    "redact": ("WANDB, re:hf_[A-Za-z0-9]{30,}", ["WANDB", "re:x(y|z)"], ("WANDB", "re:x(y|z)")),
 }
 ENABLED_ENV = {"OTEL_TRAIN_SAVE_PATH": "/tmp/base"}
 
@@ -72,6 +75,7 @@ def test_each_setting_from_env(key: str) -> None:
         "log_level": "DEBUG",
         "telemetry_sources": ("process", "cuda", "nvml"),
         "traces_exporter": ("jsonl", "otlp"),
+        "redact": ("WANDB", "re:hf_[A-Za-z0-9]{30,}"),  # the comma inside {30,} belongs to the pattern
     }.get(key, expected)
     settings = resolve_settings(env={**ENABLED_ENV, ENV_VARS[key]: raw})
     assert getattr(settings, key) == expected_env
@@ -158,12 +162,25 @@ def test_optional_keys_accept_none_in_config() -> None:
         ({"env": {}, "overrides": {"fsynk": True}}, ["keyword argument 'fsynk'", "'fsync'"]),
         ({"env": {}, "overrides": {"zzz": 1}}, ["keyword argument 'zzz'", "docs/settings.md"]),
         ({"env": {"OTEL_TRAIN_ENABLED": "maybe"}}, ["OTEL_TRAIN_ENABLED", "'maybe'", "true or false"]),
-        ({"env": {"OTEL_TRAIN_BACKUP_COUNT": "three"}}, ["OTEL_TRAIN_BACKUP_COUNT", ">= 0"]),
-        ({"env": {"OTEL_TRAIN_BACKUP_COUNT": "-1"}}, ["OTEL_TRAIN_BACKUP_COUNT", ">= 0"]),
+        ({"env": {"OTEL_TRAIN_BACKUP_COUNT": "three"}}, ["OTEL_TRAIN_BACKUP_COUNT", "from 0 to 10000"]),
+        ({"env": {"OTEL_TRAIN_BACKUP_COUNT": "-1"}}, ["OTEL_TRAIN_BACKUP_COUNT", "from 0 to 10000"]),
+        ({"env": {}, "overrides": {"backup_count": 10**9}}, ["keyword argument 'backup_count'", "10000"]),
+        # Red-team finds (issue 11): each used to escape as a raw OverflowError / ValueError / UnicodeError.
+        ({"env": {}, "overrides": {"max_file_size_mb": 1e308}}, ["keyword argument 'max_file_size_mb'", "at most"]),
+        ({"env": {}, "overrides": {"max_file_size_mb": 10**400}}, ["keyword argument 'max_file_size_mb'", "..."]),
+        ({"env": {"OTEL_TRAIN_MAX_FILE_SIZE_MB": "1e308"}}, ["OTEL_TRAIN_MAX_FILE_SIZE_MB", "1e308"]),
+        ({"env": {}, "save_path": "/tmp/a\0b"}, ["save_path argument", "'/tmp/a\\x00b'", "NUL"]),
+        ({"env": {}, "overrides": {"run_id": "run-\udcff"}}, ["keyword argument 'run_id'", "'run-\\udcff'", "UTF-8"]),
+        ({"env": {"OTEL_TRAIN_RUN_ID": "run-\udcff"}}, ["OTEL_TRAIN_RUN_ID", "UTF-8"]),
+        ({"env": {}, "overrides": {"rank": 2**60}}, ["keyword argument 'rank'", "2**53"]),
+        ({"env": {}, "config": ["enabled", True]}, ["invalid config keys", "a mapping"]),
+        ({"env": {}, "config": {3: True}}, ["unknown config key 3", "strings"]),
+        ({"env": {"OTEL_TRAIN_REDACT": "re:(unclosed"}}, ["OTEL_TRAIN_REDACT", "re:<regex>"]),
+        ({"env": {}, "overrides": {"redact": ["WANDB", ""]}}, ["keyword argument 'redact'"]),
         ({"env": {"OTEL_TRAIN_BATCH_STATS_EVERY": "1.5"}}, ["OTEL_TRAIN_BATCH_STATS_EVERY"]),
         ({"env": {"OTEL_TRAIN_MAX_FILE_SIZE_MB": "0"}}, ["OTEL_TRAIN_MAX_FILE_SIZE_MB", "> 0"]),
         ({"env": {"OTEL_TRAIN_MAX_FILE_SIZE_MB": "nan"}}, ["OTEL_TRAIN_MAX_FILE_SIZE_MB"]),
-        ({"env": {"OTEL_TRAIN_WORLD_SIZE": "0"}}, ["OTEL_TRAIN_WORLD_SIZE", ">= 1"]),
+        ({"env": {"OTEL_TRAIN_WORLD_SIZE": "0"}}, ["OTEL_TRAIN_WORLD_SIZE", "from 1 to"]),
         ({"env": {"OTEL_TRAIN_SOURCE": "my/run"}}, ["OTEL_TRAIN_SOURCE", "file name"]),
         ({"env": {}, "config": {"source": ""}}, ["config key 'source'"]),
         ({"env": {}, "config": {"backup_count": True}}, ["config key 'backup_count'", "True"]),
@@ -234,3 +251,45 @@ def test_settings_summary_is_json_safe_and_names_callables() -> None:
     assert summary["handlers"] == [f"{__name__}.factory", "a.b:c"]
     assert summary["traces_exporter"] == ["jsonl", "otlp"]
     assert summary["run_id"] == "r"
+
+
+class _Hostile:
+    """A value that breaks every protocol it is asked for."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr")
+
+    def __eq__(self, other: object) -> bool:
+        raise RuntimeError("eq")
+
+    __hash__ = object.__hash__
+
+    def __index__(self) -> int:
+        raise RuntimeError("index")
+
+    def __float__(self) -> float:
+        raise RuntimeError("float")
+
+
+_NASTY = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.just(10**400),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
+    st.sampled_from(["\0", "/tmp/x\0", "\udcff", "run-\ud800", " ", "re:(", "1e308", "inf", "-0", "0x10"]),
+    st.lists(st.text(max_size=5), max_size=3), st.binary(max_size=5), st.builds(_Hostile),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.sampled_from(sorted(CASES)), value=_NASTY, as_env=st.booleans())
+def test_any_value_resolves_or_is_a_one_line_config_error(key: str, value: Any, as_env: bool) -> None:
+    """Strict init never lets a raw exception through (issue 11: OverflowError, embedded NUL, surrogates)."""
+    try:
+        if as_env:
+            if not isinstance(value, str) or "\0" in value:
+                return  # environment values are NUL-free strings
+            resolve_settings(env={**ENABLED_ENV, ENV_VARS[key]: value})
+        else:
+            resolve_settings(env=ENABLED_ENV, overrides={key: value})
+    except ConfigError as exc:
+        message = str(exc)
+        assert "\n" not in message and message.encode()  # one printable line

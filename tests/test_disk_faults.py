@@ -51,7 +51,10 @@ def test_full_disk_drops_records_warns_once_and_training_goes_on(
     assert train(range(800, 803)) == 3
     errors = writer.errors
     ot.shutdown()
-    assert capsys.readouterr().err == ""  # the same fault is not reported again
+    (summary,) = otel_lines(capsys.readouterr().err)  # the fault is not reported again; its total is
+    dropped = writer.dropped_records
+    assert summary.startswith(f"otel-train: at shutdown: {dropped} record(s) of this process are not in")
+    assert f"ENOSPC ×{errors}" in summary and dropped == errors
 
     records = read_records(tiny_tmpfs, torn_ok=1)  # the record the disk filled in is a torn fragment
     seqs = [r[S.SEQ] for r in records]
@@ -60,24 +63,57 @@ def test_full_disk_drops_records_warns_once_and_training_goes_on(
     assert {r[S.STEP] for r in landed} == {800, 801, 802}  # tracing picked up again once space came back
     end = records[-1]
     assert end[S.NAME] == S.INSTANT_PROCESS_END and end[S.ATTRS]["write_errors"] == errors
+    assert end[S.ATTRS]["dropped_records"] == dropped
     assert records[-2][S.NAME] == S.INSTANT_WRITE_ERRORS and records[-2][S.ATTRS]["count"] == errors
 
 
-def test_structured_logs_deleted_mid_run_never_raises(
+def test_structured_logs_deleted_mid_run_is_noticed_counted_and_made_again(
         tmp_path: Path, read_records: ReadRecords, capsys: pytest.CaptureFixture[str]) -> None:
-    ot.init(save_path=tmp_path, max_file_size_mb=0.01, backup_count=2, enabled=True)
+    ot.init(save_path=tmp_path, max_file_size_mb=0.01, backup_count=9, enabled=True)
     writer = runtime._active.writer
     assert train(range(20)) == 20
-    shutil.rmtree(tmp_path / S.STRUCTURED_LOGS_DIR)
+    shutil.rmtree(tmp_path / S.STRUCTURED_LOGS_DIR)  # the active file and its rotated segments
 
-    assert train(range(20, 400)) == 380  # rotations now find no directory to reopen the file in
-    assert writer.errors > 0
+    assert train(range(20, 35)) == 15  # the next rotation finds the file unlinked
     ot.shutdown()
     err = capsys.readouterr().err
-    assert len(otel_lines(err)) == 1 and "errno ENOENT" in err, err
+    assert len(otel_lines(err)) == 2, err  # the fault when it happened, the total at shutdown
+    assert "was deleted (or its directory) while in use" in err and "record(s) of this process are not in" in err
 
-    (tmp_path / S.STRUCTURED_LOGS_DIR).mkdir()  # nothing was recreated behind the user's back
-    assert read_records(tmp_path) == []
+    records = read_records(tmp_path)
+    seqs = [r[S.SEQ] for r in records]
+    assert seqs == list(range(seqs[0], seqs[-1] + 1))  # gapless from the first record of the new file
+    notice = next(r for r in records if r[S.NAME] == S.INSTANT_WRITE_ERRORS)
+    assert notice[S.ATTRS]["reason"] == "trace file deleted" and notice[S.ATTRS]["lost_records"] > 0
+    lost = notice[S.ATTRS]["lost_records"]  # what the active file held (rotated segments are not counted)
+    assert notice[S.SEQ] == seqs[0] + 1  # right after the first record of the new file
+    assert writer.lost_records == lost and writer.errors == 0
+    end = records[-1]
+    assert end[S.NAME] == S.INSTANT_PROCESS_END and end[S.ATTRS]["dropped_records"] == lost
+    assert records[-2][S.ATTRS] == {"count": 0, "dropped_bytes": 0, "lost_records": lost,
+                                    "lost_bytes": writer.lost_bytes}
+
+
+def test_whole_run_deleted_is_not_resurrected_but_counted(
+        tmp_path: Path, read_records: ReadRecords, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    ot.init(save_path=run, max_file_size_mb=0.01, backup_count=2, enabled=True)
+    writer = runtime._active.writer
+    assert train(range(20)) == 20
+    shutil.rmtree(run)
+    assert train(range(20, 100)) == 80  # structured_logs' parent is gone too: writes fail, counted
+    assert not run.exists() and writer.errors > 0
+    run.mkdir()  # the job makes the run directory again: structured_logs comes back with the next record
+    assert train(range(100, 103)) == 3
+    ot.shutdown()
+    err = capsys.readouterr().err
+    assert "was deleted" in err and "errno ENOENT" in err
+    records = read_records(run)
+    notice = next(r for r in records if r[S.NAME] == S.INSTANT_WRITE_ERRORS)
+    assert notice[S.ATTRS]["reason"] == "trace file deleted"
+    assert {r[S.STEP] for r in records if S.STEP in r} == {100, 101, 102}
+    end = records[-1][S.ATTRS]
+    assert end["dropped_records"] == writer.lost_records + writer.errors > 100
 
 
 @pytest.mark.parametrize("below", ["a_file", "a_file/run"])

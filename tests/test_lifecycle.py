@@ -13,6 +13,7 @@ import pytest
 
 from otel_train import lifecycle
 from otel_train.config import Settings
+from otel_train.redact import REDACTED, Redactor
 from otel_train.resource import detect_run_context
 
 
@@ -37,6 +38,32 @@ def test_secret_names_and_url_credentials_are_redacted() -> None:
     assert snap["PATH"] == "/usr/bin"
     assert len(snap["LONG"]) < 1100
     assert "hunter2" not in json.dumps(snap) and "tok-123" not in json.dumps(snap)
+
+
+def test_issue_11_secret_names_argv_flags_and_userinfo_anywhere() -> None:
+    """Issue 11: DB_PASS slipped through; argv went verbatim into process_start (and the export)."""
+    env = {"DB_PASS": "pw1", "MYSQL_PWD": "pw2", "SESSION_ID": "s3", "BROWSER_COOKIE": "c4", "GH_AUTH": "a5",
+           "NOTE": "see https://bob:pw6@git.example/x and http://amy:pw7@h", "HOME": "/root"}
+    snap = lifecycle.redacted_env(env)
+    text = json.dumps(snap)
+    assert not any(f"pw{i}" in text for i in (1, 2, 6, 7)) and "s3" not in text and "c4" not in text
+    assert snap["NOTE"] == "see https://<redacted>@git.example/x and http://<redacted>@h" and snap["HOME"] == "/root"
+    argv = ["train.py", "--api-key", "k1", "--password=k2", "--token", "k3", "--lr", "0.1",
+            "db.password=k4", "--data", "s3://user:k5@bucket/x", "--secret-file", "--epochs", "3"]
+    assert Redactor().argv(argv) == [
+        "train.py", "--api-key", REDACTED, f"--password={REDACTED}", "--token", REDACTED, "--lr", "0.1",
+        f"db.password={REDACTED}", "--data", f"s3://{REDACTED}@bucket/x", "--secret-file", "--epochs", "3"]
+
+
+def test_redact_setting_adds_names_and_value_patterns(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WANDB_API", "w1")
+    monkeypatch.setenv("COMET_X", "hf_0123456789abcdef0123")
+    monkeypatch.setattr(sys, "argv", ["train.py", "--wandb-run", "w2", "--note", "tok hf_0123456789abcdef0123"])
+    settings = Settings(enabled=True, save_path=str(tmp_path), redact=("wandb", "re:hf_[0-9a-f]{20,}"))
+    attrs = lifecycle.process_start_attrs(settings, detect_run_context(settings, env={}))
+    assert attrs["env"]["WANDB_API"] == REDACTED and attrs["env"]["COMET_X"] == REDACTED
+    assert attrs["argv"] == ["train.py", "--wandb-run", REDACTED, "--note", f"tok {REDACTED}"]
+    assert "hf_0123456789abcdef0123" not in json.dumps(attrs)
 
 
 def test_git_state_of_a_repo_and_of_no_repo(tmp_path: Path) -> None:
@@ -70,7 +97,7 @@ def test_process_start_attrs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     assert attrs["versions"]["torch"].startswith("2.") and attrs["versions"]["opentelemetry_sdk"]
     assert attrs["env"]["MY_API_TOKEN"] == lifecycle.REDACTED
     assert attrs["cwd"] == str(tmp_path) and attrs["git"] is None
-    assert attrs["argv"] == sys.argv and attrs["hostname"] and attrs["launcher"] == "default"
+    assert attrs["argv"] == Redactor().argv(sys.argv) and attrs["hostname"] and attrs["launcher"] == "default"
     assert "do-not-write-me" not in json.dumps(attrs)
 
 

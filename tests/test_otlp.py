@@ -169,6 +169,25 @@ def test_export_failure_logged_once_and_headers_never_logged(caplog, capsys):
     assert SECRET not in caplog.text and SECRET not in ours[0]
 
 
+@pytest.mark.parametrize("protocol", [GRPC, HTTP])
+def test_endpoint_userinfo_and_headers_never_logged(protocol: str, caplog, capsys):
+    """Issue 11: the gRPC exporter logs its endpoint, user:password@ included; a bad header is logged whole."""
+    endpoint = refused_endpoint().replace("http://", f"http://alice:{SECRET}-pw@")
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "0.5",
+        "OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{SECRET},bad header {SECRET}-2",
+    }
+    caplog.set_level(logging.DEBUG)
+    processor = _only(build_span_processors(("otlp",), env=env))
+    _step_trace(_provider(processor))
+    processor.force_flush(3000)
+    processor.shutdown(timeout_s=1.0)
+    logged = caplog.text + capsys.readouterr().err
+    assert processor.dropped == 3 and SECRET not in logged, logged
+
+
 def test_config_error_does_not_leak_headers():
     env = {"OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer {SECRET}", "OTEL_EXPORTER_OTLP_COMPRESSION": "brotli"}
     with pytest.raises(ConfigError) as info:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from otel_train.exporters.jsonl import writer as writer_module
 from otel_train.exporters.jsonl.writer import RotatingFileWriter
 
 WARNING = "otel-train: cannot write"
@@ -176,24 +177,68 @@ def test_fd_closed_underneath_counts_and_recovers(tmp_path: Path, capsys: pytest
 
 
 @pytest.mark.parametrize("backup_count", [0, 2])
-def test_directory_deleted_underneath(
+def test_directory_deleted_underneath_is_noticed_at_rotation(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], backup_count: int
 ) -> None:
     run = tmp_path / "run"
     run.mkdir()
     path = run / "t.jsonl"
     w = RotatingFileWriter(path, max_bytes=300, backup_count=backup_count)
-    assert w.write(record(0, pad=100))
+    notices: list[tuple[int, int, str]] = []
+    w.on_loss = lambda *notice: notices.append(notice)
+    size = len(record(0, pad=100))
+    assert w.write(record(0, pad=100)) and w.write(record(1, pad=100))
     shutil.rmtree(run)
-    results = [w.write(record(i, pad=100)) for i in range(1, 8)]  # the first rotation finds it gone
-    assert results[-1] is False and w.errors >= 1
+    assert all(w.write(record(i, pad=100)) for i in range(2, 8))  # the first rotation finds it unlinked
+    assert notices == [(2, 2 * size, "trace file deleted")]
+    assert (w.lost_records, w.lost_bytes, w.dropped_records, w.errors) == (2, 2 * size, 2, 0)
     err = capsys.readouterr().err
-    assert err.count(WARNING) == 1 and "errno ENOENT" in err
-    assert not run.exists()  # a deleted directory is not recreated
-    run.mkdir()  # space comes back: the writer picks up again
-    assert w.write(record(99))
+    assert err.count("otel-train:") == 1 and f"{path} was deleted" in err and "2 record(s)" in err
     w.close()
-    assert seqs(path.read_bytes()) == [99]
+    kept = [s for p in segments(path) for s in seqs(p.read_bytes())]
+    assert kept == list(range(kept[0], 8)) and kept[0] >= 2  # the directory (its parent exists) came back
+
+
+def test_deleted_file_is_noticed_within_a_second_without_rotation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.jsonl"
+    w = RotatingFileWriter(path, max_bytes=1 << 20, backup_count=1)
+    notices: list[tuple[int, int, str]] = []
+    w.on_loss = lambda *notice: notices.append(notice)
+    assert all(w.write(record(i)) for i in range(3))
+    path.unlink()
+    assert all(w.write(record(i)) for i in range(3, 6))  # within the second: still the unlinked file
+    now = writer_module.monotonic()
+    monkeypatch.setattr(writer_module, "monotonic", lambda: now + 1.5)  # a second and a half later
+    written = 6
+    while not notices and written < 1000:  # the next clock read is at most one byte step away
+        assert w.write(record(written))
+        written += 1
+    assert notices == [(written - 1, sum(len(record(i)) for i in range(written - 1)), "trace file deleted")]
+    assert seqs(path.read_bytes()) == [written - 1] and w.lost_records == written - 1
+    assert written < 200  # a step of a few KiB at this write rate
+    w.close()
+
+
+def test_parent_gone_too_fails_counted_until_it_comes_back(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    path = run / "logs" / "t.jsonl"
+    path.parent.mkdir(parents=True)
+    w = RotatingFileWriter(path, max_bytes=100, backup_count=1)
+    notices: list[tuple[int, int, str]] = []
+    w.on_loss = lambda *notice: notices.append(notice)
+    assert w.write(record(0))
+    shutil.rmtree(run)
+    # This one needs a rotation, which finds the file gone; logs/ is not made without run/.
+    assert not w.write(record(1, pad=100)) and not w.write(record(2))
+    assert not run.exists() and w.errors == 2 and w.dropped_records == 3 and notices == []
+    run.mkdir()
+    assert w.write(record(3))  # run/ is back: logs/ is made again, the loss announced after this record
+    assert notices == [(1, len(record(0)), "trace file deleted")]
+    err = capsys.readouterr().err
+    assert "was deleted" in err and "errno ENOENT" in err
+    w.close()
+    assert seqs(path.read_bytes()) == [3]
 
 
 def test_enospc_drops_warns_once_and_recovers_with_isolated_fragment(

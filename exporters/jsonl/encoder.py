@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from time import time_ns
 from types import CodeType
 from typing import Any, Mapping
 
@@ -16,6 +17,7 @@ import msgspec
 from opentelemetry.trace import SpanContext, StatusCode
 
 from otel_train import schema as S
+from otel_train._values import json_safe
 from otel_train.context import StepState, call_site
 
 INCOMPLETE_ATTR = S.ATTR_INCOMPLETE
@@ -30,8 +32,16 @@ encode_json = msgspec.json.Encoder(enc_hook=_fallback).encode
 
 
 def _frag(key: str, value: Any) -> str:
-    """``,"key":<json value>`` — one field, ready to splice into a record."""
-    return f',"{key}":{encode_json(value).decode()}'
+    """``,"key":<json value>`` — one field, ready to splice into a record.
+
+    Values the fast encoding refuses (a lone surrogate, a circular or very deep container, a
+    ``__str__`` that raises) are written through ``json_safe``: bounded, with replacement characters.
+    """
+    try:
+        text = encode_json(value)
+    except Exception:  # noqa: BLE001 - whatever user values raise, the record is still written
+        text = encode_json(json_safe(value))
+    return f',"{key}":{text.decode()}'
 
 
 def _step_fragment(state: StepState) -> str:
@@ -151,14 +161,16 @@ class RecordEncoder:
             ns // 1_000_000_000, ns // 1000 % 1_000_000, head, body, seq, caller,
             self._attrs(attributes) if attributes else "")).encode()
 
-    def span_end(self, span: Any, body: str, seq: int) -> bytes:
-        """The ``span_end`` line of an SDK span that has just ended."""
+    def span_end(self, span: Any, body: str, seq: int, *, incomplete: bool = False) -> bytes:
+        """The ``span_end`` line of an SDK span that has just ended (or, ``incomplete``, is ended now)."""
         name = span._name
         head = self._end_heads.get(name) or self._span_head(self._end_heads, S.SPAN_END, S.END_SUFFIX, name)
         start, end = span._start_time, span._end_time
         attributes = span._attributes
-        if attributes and attributes.get(INCOMPLETE_ATTR):
+        if attributes and attributes.get(INCOMPLETE_ATTR) or incomplete:
             status = _INCOMPLETE
+            if end is None:  # ended by shutdown without its own end()
+                end = time_ns()
         elif span._status.status_code is StatusCode.ERROR:
             status = _ERROR + _frag(S.ERROR, _error_of(span))
         else:

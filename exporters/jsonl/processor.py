@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_train import _report
 from otel_train import context as step_context
+from otel_train import schema as S
 from otel_train.context import StepState
 from otel_train.exporters.jsonl.encoder import INCOMPLETE_ATTR, CallerFinder, RecordEncoder
 
@@ -50,51 +51,89 @@ class JsonlSpanProcessor(SpanProcessor):
         self._caller = caller
         self._handlers = tuple(record_handlers)
         # Reentrant: shutdown may run from a SIGTERM handler that interrupted a write on this thread.
+        # Everything that assigns a seq or changes the open-span table happens under it, so a record
+        # is either wholly written or not begun, and shutdown sees a consistent table.
         self._lock = threading.RLock()
         self._seq = 0
         self._open: dict[int, OpenEntry] = {}
         # Set by the watchdog (otel_train.watchdog): told each ended span's name and duration in ns.
         self.on_duration: Callable[[str, int], None] | None = None
-        self._closed = False
+        self._sealed = False  # shutdown has ended the open spans: no new span is written
+        self._closed = False  # the last record is written: nothing more is
+        self.unencodable = 0  # records that could not be made at all (they have no seq)
+        if writer is not None and hasattr(writer, "on_loss"):
+            writer.on_loss = self._on_loss
 
     @property
     def records_written(self) -> int:
         """Records made so far (``seq`` of the last one)."""
         return self._seq
 
+    @property
+    def dropped_records(self) -> int:
+        """Records made but not in the file: not encodable, not written, or lost with a deleted file."""
+        writer_drops = getattr(self._writer, "dropped_records", 0) if self._writer is not None else 0
+        return self.unencodable + writer_drops
+
+    def holds_lock(self) -> bool:
+        """Whether the calling thread is in the middle of writing a record (a signal handler asks)."""
+        is_owned = getattr(self._lock, "_is_owned", None)
+        return bool(is_owned()) if is_owned is not None else False
+
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         try:
             state, tid = current_state(), get_native_id()
             body = self._encoder.span_body(span, state, tid)
-            self._open[span._context.span_id] = (span, body, state, tid)
             caller = self._caller() if self._caller is not None else ""
             with self._lock:
-                self._seq += 1
-                self._write(self._encoder.span_start(span, body, self._seq, caller))
+                if self._sealed:
+                    return  # started while shutdown ran: not traced, like any call after it
+                seq = self._seq + 1
+                line = self._encoder.span_start(span, body, seq, caller)
+                self._seq = seq
+                self._open[span._context.span_id] = (span, body, state, tid)
+                self._write(line)
         except Exception as exc:  # never break training over a trace record
-            self._fault("span start", exc)
+            self._fault("a span start", exc)
 
     def on_end(self, span: ReadableSpan) -> None:
         try:
-            entry = self._open.pop(span._context.span_id, None)
-            # A span that started before this processor existed gets its body now.
-            body = entry[1] if entry is not None else self._encoder.span_body(span, current_state(), get_native_id())
             with self._lock:
-                self._seq += 1
-                self._write(self._encoder.span_end(span, body, self._seq))
+                entry = self._open.pop(span._context.span_id, None)
+                if entry is None:
+                    self._end_record(span, None, incomplete=False)
+                else:  # the common case, inline: it runs for every span
+                    seq = self._seq + 1
+                    line = self._encoder.span_end(span, entry[1], seq)
+                    self._seq = seq
+                    self._write(line)
             on_duration = self.on_duration
             if on_duration is not None and entry is not None:
                 on_duration(span._name, span._end_time - span._start_time)
         except Exception as exc:
-            self._fault("span end", exc)
+            self._fault("a span end", exc)
+
+    def _end_record(self, span: Any, entry: OpenEntry | None, *, incomplete: bool) -> None:
+        # Called with the lock held.
+        if entry is None:
+            if self._sealed:
+                return  # already ended as incomplete by shutdown
+            # A span that started before this processor existed gets its body now.
+            body = self._encoder.span_body(span, current_state(), get_native_id())
+        else:
+            body = entry[1]
+        seq = self._seq + 1
+        line = self._encoder.span_end(span, body, seq, incomplete=incomplete)
+        self._seq = seq
+        self._write(line)
 
     def instant(self, name: str, attrs: Mapping[str, Any] | None = None) -> None:
         """Write an ``instant`` record inside the caller's current span and step."""
-        self._point("instant", self._encoder.instant, name=name, attrs=attrs)
+        self._point("an instant", self._encoder.instant, name=name, attrs=attrs)
 
     def scalar(self, values: Mapping[str, Any]) -> None:
         """Write a ``scalar`` record inside the caller's current span and step."""
-        self._point("scalar", self._encoder.scalar, values=values)
+        self._point("a scalar", self._encoder.scalar, values=values)
 
     def instant_for(self, name: str, attrs: Mapping[str, Any], span_id: int | None = None) -> None:
         """Write an instant on the runtime's own behalf (no caller; the watchdog's records): inside the
@@ -127,18 +166,28 @@ class JsonlSpanProcessor(SpanProcessor):
     def _emit_point(self, encode: Callable[..., bytes], ids: Any, state: StepState, tid: int, caller: str,
                     payload: Mapping[str, Any]) -> None:
         with self._lock:
-            self._seq += 1
-            self._write(encode(ts_ns=time_ns(), ids=ids, state=state, tid=tid, seq=self._seq, caller=caller,
-                               **payload))
+            if self._closed:
+                return
+            seq = self._seq + 1
+            line = encode(ts_ns=time_ns(), ids=ids, state=state, tid=tid, seq=seq, caller=caller, **payload)
+            self._seq = seq
+            self._write(line)
+
+    def _on_loss(self, lost_records: int, lost_bytes: int, reason: str) -> None:
+        # The writer found its file gone and made a new one: say so in the new file at once, so a
+        # reader of it knows what came before is missing (the total is also in process_end).
+        self.instant(S.INSTANT_WRITE_ERRORS, {"lost_records": lost_records, "lost_bytes": lost_bytes,
+                                              "reason": reason})
 
     def _write(self, line: bytes) -> None:
-        # Called with the lock held, so seq order is file order.
+        # Called with the lock held, so seq order is file order. Handlers first: a write may add a
+        # notice record of its own (see _on_loss), which must reach them after this one.
         if self._closed:
             return
-        if self._writer is not None:
-            self._writer.write(line)
         if self._handlers:
             self._hand_over(_decode(line))
+        if self._writer is not None:
+            self._writer.write(line)
 
     def _hand_over(self, record: dict) -> None:
         for handler in self._handlers:
@@ -148,22 +197,56 @@ class JsonlSpanProcessor(SpanProcessor):
                 _report.report_exception(f"record handler {getattr(handler, '__qualname__', handler)!r}", exc)
 
     def end_open_spans(self) -> int:
-        """End every still-open span with status ``incomplete`` (innermost first); returns how many."""
+        """End every still-open span with status ``incomplete`` (innermost first); returns how many.
+
+        From here on no new span is written (instants still are, until :meth:`finish`).
+        """
         with self._lock:
-            spans = [entry[0] for entry in reversed(self._open.values())]
-        for span in spans:
-            try:
-                span.set_attribute(INCOMPLETE_ATTR, True)
-                span.end()
-            except Exception as exc:
-                self._fault("ending an open span", exc)
-        return len(spans)
+            self._sealed = True
+            entries = list(reversed(self._open.items()))
+            for span_id, (span, *_) in entries:
+                self._end_incomplete(span)
+                entry = self._open.pop(span_id, None)
+                if entry is not None:
+                    # Its end() did not reach on_end: it was already ending when shutdown came (on
+                    # this thread, interrupted by a signal), or end() failed. Write the end ourselves.
+                    try:
+                        self._end_record(span, entry, incomplete=True)
+                    except Exception as exc:
+                        self._fault("a span end", exc)
+        return len(entries)
+
+    def _end_incomplete(self, span: Any) -> None:
+        # An SDK span takes its own (non-reentrant) lock in set_attribute and end(): if this thread
+        # was interrupted inside it, taking it again would deadlock, so such a span is left to the
+        # fallback above. Other threads release it within microseconds.
+        span_lock = getattr(span, "_lock", None)
+        if span_lock is not None:
+            if not span_lock.acquire(timeout=0.1):
+                return
+            span_lock.release()
+        try:
+            span.set_attribute(INCOMPLETE_ATTR, True)
+            span.end()
+        except Exception as exc:
+            _report.report_exception("ending an open span", exc)  # the fallback still writes its end
+
+    def finish(self, name: str, attrs: Callable[[int, int], Mapping[str, Any]]) -> None:
+        """Write the last record, an instant ``name`` with ``attrs(seq, dropped_records)``, then close.
+
+        One lock hold: no record of any thread can come after it.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self.instant(name, attrs(self._seq + 1, self.dropped_records))
+            self.shutdown()
 
     def shutdown(self) -> None:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            self._closed = self._sealed = True
             if self._writer is not None:
                 self._writer.close()
 
@@ -172,4 +255,5 @@ class JsonlSpanProcessor(SpanProcessor):
         return True
 
     def _fault(self, what: str, exc: BaseException) -> None:
-        _report.report_exception(f"writing a {what} record", exc)
+        self.unencodable += 1
+        _report.report_exception(f"writing {what} record", exc)

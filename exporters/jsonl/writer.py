@@ -5,6 +5,12 @@ process killed right after ``write`` returns has lost nothing. Write failures (f
 a descriptor closed underneath, a deleted directory) never reach the training code: they are
 counted, reported once per errno (``otel_train._report``), and the writer keeps trying on later records.
 
+A file deleted underneath (a cleanup job removing the run directory) would swallow every later
+record into an unlinked inode. So at most once a second, and before every rotation, the writer
+checks the open file's link count: a deleted file is reported once, what was written to it is
+counted as lost, and a new file is made at the same path (its directory too, one level, when the
+directory's parent still exists: a whole deleted run is not resurrected).
+
 Not thread-safe by design: the JSONL span processor serializes calls under its own lock.
 """
 
@@ -12,12 +18,19 @@ from __future__ import annotations
 
 import errno
 import os
+from time import monotonic
+from typing import Callable
 
 from otel_train import _report
 
 __all__ = ["RotatingFileWriter"]
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+CHECK_INTERVAL_S = 1.0
+"""How often (at most) a write checks that the file is still linked."""
+_MAX_STEP = 1 << 20
+_CLOSED = "closed"
+_LOST = "lost"
 
 
 class RotatingFileWriter:
@@ -37,7 +50,16 @@ class RotatingFileWriter:
         "_shifts",
         "_fd",
         "_size",
+        "_lines",
         "_torn",
+        "_limit",
+        "_step",
+        "_checked_at",
+        "_pending_loss",
+        "on_loss",
+        "dropped_records",
+        "lost_records",
+        "lost_bytes",
         "_closed",
         "_errors",
         "_dropped_bytes",
@@ -66,10 +88,22 @@ class RotatingFileWriter:
         self._shifts = [(names[i - 1], names[i]) for i in range(backup_count, 0, -1)]
         self._fd = -1
         self._size = 0
+        self._lines = 0  # records written to the open file
         self._torn = False
         self._closed = False
         self._errors = 0
         self._dropped_bytes = 0
+        self._limit = -1  # past it, write() takes the slow path (_prepare); -1: no open file
+        self._step = 0
+        self._checked_at = monotonic()
+        self._pending_loss: tuple[int, int] | None = None
+        self.on_loss: Callable[[int, int, str], None] | None = None
+        """Called after the first record that reached a new file made because the old one was deleted:
+        (records lost, bytes lost, reason). It may call ``write`` again."""
+        self.dropped_records = 0
+        """Records that did not reach the file whole: failed writes, and lost with a deleted file."""
+        self.lost_records = 0
+        self.lost_bytes = 0
         self._open()  # OSError here is the caller's to turn into a configuration error
 
     @property
@@ -91,21 +125,17 @@ class RotatingFileWriter:
         """Append one ``\\n``-terminated record; True when it reached the kernel whole. Never raises."""
         n = len(line)
         try:
-            if self._fd < 0:
-                if self._closed:
-                    self._dropped_bytes += n
-                    return False
-                self._open()
-            if self._size and self._size + n > self._max_bytes:
-                self._rotate()
-            # A torn fragment from an earlier short write has no newline: end it so this record
-            # starts on a line of its own.
-            data = b"\n" + line if self._torn else line
-            written = os.write(self._fd, data)
-            if written != len(data):
-                written = self._finish_short_write(data, written)
+            # One comparison on the hot path: past the limit lie rotation, the deleted-file check,
+            # reopening after a failure, ending a torn line, and the closed state (see _prepare).
+            if self._size + n > self._limit:
+                ready = self._prepare(n)
+                if ready is not True:
+                    return self._unprepared(ready, line)
+            written = os.write(self._fd, line)
+            if written != n:
+                written = self._finish_short_write(line, written)
             self._size += written
-            self._torn = False
+            self._lines += 1
         except OSError as exc:
             self._fail(exc, n)
             return False
@@ -118,6 +148,44 @@ class RotatingFileWriter:
         self._closed = True
         self._discard_fd()
 
+    def _prepare(self, n: int) -> bool | str:
+        """Make the file ready for an ``n``-byte line; True, or why not (``_CLOSED``, ``_LOST``)."""
+        if self._fd < 0:
+            if self._closed:
+                return _CLOSED
+            self._reopen()
+        elif monotonic() - self._checked_at >= CHECK_INTERVAL_S:
+            # Checked once a second at most: the byte step to the next check adapts to the write rate,
+            # so a fast writer reads the clock every ~1 MiB and a slow one on every record.
+            self._step = self._step // 2
+            self._check_linked()
+        else:
+            self._step = min(max(2 * self._step, 4096), _MAX_STEP)
+        if self._torn:
+            # A fragment from an earlier short write (or an earlier process) has no newline: end it,
+            # so this record starts on a line of its own.
+            self._size += os.write(self._fd, b"\n")
+            self._torn = False
+        if self._size and self._size + n > self._max_bytes:
+            self._rotate()
+        self._limit = min(self._max_bytes, self._size + self._step)
+        return _LOST if self._pending_loss is not None else True
+
+    def _unprepared(self, why: bool | str, line: bytes) -> bool:
+        if why is _CLOSED:
+            self._dropped_bytes += len(line)
+            return False
+        # A new file replaced a deleted one: write the line, then say what was lost (after it, so
+        # that a notice record the callback writes follows this line's seq).
+        (lines, size), self._pending_loss = self._pending_loss, None  # type: ignore[misc]
+        ok = self.write(line)
+        if self.on_loss is not None:
+            try:
+                self.on_loss(lines, size, "trace file deleted")
+            except Exception as exc:  # noqa: BLE001 - the callback's fault must not become ours
+                _report.report_exception("announcing a deleted trace file", exc)
+        return ok
+
     def _open(self) -> None:
         fd = os.open(self._path, _OPEN_FLAGS, self._file_mode)
         try:
@@ -127,7 +195,35 @@ class RotatingFileWriter:
             raise
         self._fd = fd
         self._size = size
+        self._lines = 0
         self._torn = size > 0 and not self._ends_with_newline(size)
+        self._limit = -1 if self._torn else min(self._max_bytes, size + self._step)
+
+    def _reopen(self) -> None:
+        directory = os.path.dirname(self._path) or "."
+        if not os.path.isdir(directory) and os.path.isdir(os.path.dirname(directory) or "."):
+            try:
+                os.mkdir(directory, 0o755)
+            except FileExistsError:
+                pass
+        self._open()
+
+    def _check_linked(self) -> None:
+        """If the open file was deleted, count what it held as lost and start a new one."""
+        self._checked_at = monotonic()
+        if os.fstat(self._fd).st_nlink:
+            return
+        lines, size = self._lines, self._size
+        self._discard_fd()
+        self.lost_records += lines
+        self.lost_bytes += size
+        self.dropped_records += lines
+        pending = self._pending_loss or (0, 0)
+        self._pending_loss = (pending[0] + lines, pending[1] + size)
+        _report.report(f"file deleted {self._path}",
+                       f"{self._path} was deleted (or its directory) while in use: {lines} record(s), {size} "
+                       "bytes written to it are lost; writing goes on in a new file at the same path")
+        self._reopen()
 
     def _ends_with_newline(self, size: int) -> bool:
         # The write descriptor is write-only; peek at the last byte through a short-lived reader to
@@ -144,15 +240,14 @@ class RotatingFileWriter:
             os.close(fd)
 
     def _rotate(self) -> None:
+        self._check_linked()  # rotating a deleted file would lose its records without a count
+        if self._size == 0:
+            return  # it was deleted: the new file is empty
         if not self._backup_count:
-            # An unlinked file (directory removed underneath) would swallow records forever.
-            if os.fstat(self._fd).st_nlink == 0:
-                self._discard_fd()
-                self._open()
-            else:
-                os.ftruncate(self._fd, 0)
-                self._size = 0
-                self._torn = False
+            os.ftruncate(self._fd, 0)
+            self._size = 0
+            self._lines = 0
+            self._torn = False
         else:
             self._discard_fd()
             for src, dst in self._shifts:
@@ -176,6 +271,7 @@ class RotatingFileWriter:
             if written:
                 self._size += written
                 self._torn = True
+                self._limit = -1  # the next write ends the fragment first (_prepare)
             raise
         return written
 
@@ -189,6 +285,7 @@ class RotatingFileWriter:
 
     def _discard_fd(self) -> None:
         fd, self._fd = self._fd, -1
+        self._limit = -1
         if fd >= 0:
             try:
                 os.close(fd)
@@ -198,9 +295,11 @@ class RotatingFileWriter:
     def _fail(self, exc: OSError, dropped: int) -> None:
         self._errors += 1
         self._dropped_bytes += dropped
+        if dropped:
+            self.dropped_records += 1
         if exc.errno == errno.EBADF:
             # The number is no longer ours (closed or replaced underneath): never close it, reopen.
-            self._fd = -1
+            self._fd = self._limit = -1
         elif exc.errno == errno.ESTALE:
             self._discard_fd()
         name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno else "unknown"

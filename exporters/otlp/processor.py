@@ -107,15 +107,24 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._is_shutdown = False
         self._start_worker()
         if hasattr(os, "register_at_fork"):
-            # A forked child inherits the queue but not the worker thread; start afresh there.
             self_ref = weakref.ref(self)
 
             def _after_in_child() -> None:
                 processor = self_ref()
-                if processor is not None and not processor._is_shutdown:
-                    processor._start_worker()
+                if processor is not None:
+                    processor._retire_in_child()
 
             os.register_at_fork(after_in_child=_after_in_child)
+
+    def _retire_in_child(self) -> None:
+        # A forked child (a DataLoader worker) inherits the queue and the exporter's connection, not
+        # the worker thread; it is not the process whose spans these are (the parent exports them),
+        # and otel-train traces nothing in a child until it calls init(), which builds its own
+        # processors. So no thread starts here: the child's copy is shut down, holding nothing.
+        self._lock = threading.Lock()
+        self._queue = deque()
+        self._flush_waiters = []
+        self._is_shutdown = True
 
     def _start_worker(self) -> None:
         self._lock = threading.Lock()

@@ -7,10 +7,12 @@ which sampler thins what it sends. Construction problems raise ``ConfigError`` (
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from urllib import parse
 
 from opentelemetry.sdk.environment_variables import (
     OTEL_EXPORTER_OTLP_PROTOCOL,
@@ -23,6 +25,7 @@ from opentelemetry.sdk.trace.sampling import Sampler
 
 from otel_train.errors import ConfigError
 from otel_train.exporters.otlp.processor import BoundedBatchSpanProcessor
+from otel_train.redact import REDACTED, RedactingFilter, strip_userinfo
 
 OTLP = "otlp"
 CONSOLE = "console"
@@ -41,6 +44,18 @@ _KEEP_ALL_SAMPLERS = ("always_on", "parentbased_always_on")
 # Variables the SDK's OTLP exporters read from os.environ while they are constructed.
 _EXPORTER_ENV_PREFIXES = ("OTEL_EXPORTER_OTLP_", "OTEL_PYTHON_EXPORTER_OTLP_", "_OTEL_PYTHON_EXPORTER_OTLP_")
 _ENVIRON_LOCK = threading.Lock()
+_HEADER_VARS = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS")
+_ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+# The SDK loggers that print the endpoint (gRPC: "... exporting traces to user:pw@host") or a header
+# that failed to parse (util.re); a filter on each rewrites their records before any handler sees them.
+_SDK_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http._common",
+    "opentelemetry.exporter.otlp.common.http",
+    "opentelemetry.util.re",
+)
+_SDK_LOG_FILTER = RedactingFilter()
 
 
 def otlp_protocol(env: Mapping[str, str]) -> str:
@@ -116,7 +131,47 @@ def _exporter_environ(env: Mapping[str, str]) -> Iterator[None]:
             os.environ.update(saved)
 
 
+def _secrets(env: Mapping[str, str]) -> set[str]:
+    """What must never be printed: every OTLP header's value (and whole entry), and the endpoints'
+    ``user:password@`` (the gRPC exporter logs the endpoint without its scheme)."""
+    secrets: set[str] = set()
+    for key in _ENDPOINT_VARS:
+        try:
+            url = parse.urlsplit(env.get(key, "").strip())
+        except ValueError:
+            continue
+        if url.password:
+            secrets.update({url.password, parse.unquote(url.password)})
+        if "@" in url.netloc:
+            secrets.add(url.netloc.rpartition("@")[0] + "@")
+    for key in _HEADER_VARS:
+        raw = env.get(key, "")
+        for entry in raw.split(","):
+            name, _, value = entry.partition("=")
+            for text in (entry.strip(), value.strip(), parse.unquote(value).strip()):
+                if len(text) >= 4:  # shorter fragments would blank out ordinary words
+                    secrets.add(text)
+    return secrets
+
+
+def _scrubbed(text: str, env: Mapping[str, str]) -> str:
+    text = strip_userinfo(text)
+    for secret in _secrets(env):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def _guard_sdk_logs(env: Mapping[str, str]) -> None:
+    """Make the SDK loggers that may print the endpoint or headers redact them (see otel_train.redact)."""
+    _SDK_LOG_FILTER.secrets |= _secrets(env)
+    for name in _SDK_LOGGERS:
+        logger = logging.getLogger(name)
+        if _SDK_LOG_FILTER not in logger.filters:
+            logger.addFilter(_SDK_LOG_FILTER)
+
+
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
+    _guard_sdk_logs(env)
     protocol = otlp_protocol(env)
     try:
         with _exporter_environ(env):
@@ -128,8 +183,9 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - any construction failure is a configuration problem
+        # The message may quote the endpoint (with its user:password@) or a header: never print those.
         raise ConfigError(
-            f"cannot build the OTLP {protocol} exporter: {type(exc).__name__}: {exc}. "
+            f"cannot build the OTLP {protocol} exporter: {type(exc).__name__}: {_scrubbed(str(exc), env)}. "
             "Fix the OTEL_EXPORTER_OTLP_* settings."
         ) from None
 
