@@ -318,3 +318,19 @@ def test_straggler_over_the_recent_steps_is_raised_then_resolved(tmp_path: Path)
     events = g.poll_at(31.0)  # over the last 50 steps rank 1 is like its peers
     assert sorted((e["type"], e["finding"]["rank"], e["finding"]["phase"]) for e in events) == [
         ("resolved", 1, "data_fetch"), ("resolved", 1, "step")]
+
+
+def test_with_stacks_a_hang_waits_briefly_for_the_culprits_own_stall_record(tmp_path: Path) -> None:
+    procs = _pair()
+    g = Growing(tmp_path, procs, stacks=True)
+    procs[1].stop_inside(8, [FORWARD])
+    procs[0].stop_inside(8, [BACKWARD])
+    procs[0].advance(2100)
+    _stall(procs[0], BACKWARD, 2.1)  # the victim's watchdog looked first
+    procs[1].advance(2000)
+    procs[1].instant(schema.INSTANT_HEARTBEAT, open=[])
+    assert g.poll_at(0.2) == []  # the group is hung, but the culprit's stacks are due within a second
+    procs[1].advance(300)
+    _stall(procs[1], FORWARD, 2.3)
+    (event,) = g.poll_at(0.1)
+    assert (event["finding"]["rank"], event["finding"]["stacks"][0]["tid"]) == (1, 1)

@@ -210,15 +210,27 @@ class LiveProcess:
         if inner is None or inner.status != STATUS_OPEN:
             return False
         open_s = now - inner.start_ts
-        th = self.thresholds
-        if open_s < th.stall_min_s:
+        if open_s < self.thresholds.stall_min_s:
             return False
         if inner.span_id in self.state.stalls:
             return True
-        series = self.state.phases.get(inner.name)
+        return open_s >= self._threshold(inner.name) + (STALL_RECORD_GRACE_S if self._watched() else 0.0)
+
+    def awaiting_stall_record(self, now: float) -> bool:
+        """Whether its watchdog should write the ``stall`` record (and stacks) of its innermost span soon."""
+        inner = self.state.innermost
+        if inner is None or inner.status != STATUS_OPEN or inner.span_id in self.state.stalls or not self._watched():
+            return False
+        return now - inner.start_ts < self._threshold(inner.name) + STALL_RECORD_GRACE_S
+
+    def _watched(self) -> bool:
+        # Its watchdog is on and still writes (it is neither silent nor gone).
+        return self.thresholds.watchdog and not self.silent and not self.finished
+
+    def _threshold(self, name: str) -> float:
+        series = self.state.phases.get(name)
         count, p99 = _p99_s(series.durs if series is not None else ())
-        grace = STALL_RECORD_GRACE_S if th.watchdog and not self.silent else 0.0
-        return open_s >= stall_threshold(count, p99, th.stall_min_s, th.stall_factor) + grace
+        return stall_threshold(count, p99, self.thresholds.stall_min_s, self.thresholds.stall_factor)
 
     def open_for(self, now: float) -> float | None:
         """Seconds its innermost open span has been open."""
@@ -425,7 +437,7 @@ class LiveRun:
         events = []
         for f in found:
             key = _key(f)
-            if key in self._keys or self._premature(f, groups, running):
+            if key in self._keys or self._premature(f, groups, running, now):
                 continue
             self._keys.add(key)
             f = self._complete(f, now)
@@ -436,13 +448,19 @@ class LiveRun:
         return events
 
     def _premature(self, f: dict[str, Any], groups: dict[tuple[str, int], list[LiveProcess]],
-                   running: set[ProcessState]) -> bool:
+                   running: set[ProcessState], now: float) -> bool:
         """Findings that must wait: a collective failure while its group still runs (its culprit is
-        usually another rank, not yet known), and a crash that is the echo of a hang already raised."""
+        usually another rank, not yet known); a crash that is the echo of a hang already raised; with
+        ``stacks``, a hang whose culprit's watchdog is about to write its stall record (the stacks)."""
         if f["kind"] == ERROR and is_collective_failure("", f["message"]):
             return any(lp.state in running for lp in _of_attempt(groups, f["attempt"]))
         if f["kind"] == CRASH:
             return (HANG, f["attempt"], f["rank"], None) in self._keys
+        if f["kind"] == HANG and self.stacks and "stacks" not in f:
+            culprit = self._culprit(f)
+            if culprit is not None and culprit.awaiting_stall_record(now):
+                self._dirty = True  # ask again at the next poll
+                return True
         return False
 
     def _complete(self, f: dict[str, Any], now: float) -> dict[str, Any]:
