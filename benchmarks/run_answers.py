@@ -7,8 +7,8 @@ Parts (``--parts``, default all):
   ``diff`` (the run against itself: two runs read), in process and as the CLI;
 * ``whatif``: pairs of real 2-rank torchrun runs, clean and with rank 1 30 ms slower in data_fetch
   on every step: whatif's ideal step vs the clean run's measured step, and its top-rank slowdown
-  vs the measured (straggler / clean) ratio; ``--gpu-wait-ms 25`` steps (most of the step waits
-  without CPU, as on a GPU) and CPU-bound steps;
+  vs the measured (straggler / clean) ratio; ``--gpu-wait-ms 50`` steps (most of the step waits
+  without CPU, as on a GPU) side by side and one after the other, and CPU-bound steps;
 * ``stragglers``: clean 2-rank runs beside a busy-loop process, counting straggler findings;
 * ``diff``: 200-step runs, clean vs rank 1's forward 10 % slower (detections), and clean vs clean
   (false findings).
@@ -35,8 +35,8 @@ from otel_train.analysis.whatif import whatif
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 SMALL = ("--hidden", "128", "--batch-size", "32", "--eval-every", "0", "--checkpoint-every", "0")
-STEADY = ("--hidden", "256", "--batch-size", "32", "--eval-every", "0", "--checkpoint-every", "0",
-          "--gpu-wait-ms", "25")
+STEADY = ("--hidden", "128", "--batch-size", "32", "--eval-every", "0", "--checkpoint-every", "0",
+          "--gpu-wait-ms", "50")
 CPU_BOUND = ("--hidden", "1024", "--batch-size", "64", "--eval-every", "0", "--checkpoint-every", "0")
 
 
@@ -87,11 +87,19 @@ def whatif_accuracy(root: Path, pairs: int) -> None:
     print("\n| steps | pair | clean measured (ms) | straggler measured | whatif ideal | ideal error | "
           "measured ratio | top-rank slowdown | slowdown error | top (rank, phase) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
-    for label, model in (("--gpu-wait-ms 25", STEADY), ("CPU-bound (hidden 1024)", CPU_BOUND)):
+    for label, model, together in (("--gpu-wait-ms 50, side by side", STEADY, True),
+                                   ("--gpu-wait-ms 50, one after the other", STEADY, False),
+                                   ("CPU-bound (hidden 1024), one after the other", CPU_BOUND, False)):
         for i in range(pairs):
             base = (*model, "--steps", "40")
-            clean = whatif(load_run(run(root / f"clean-{label[:3]}-{i}", *base)))
-            slow = whatif(load_run(run(root / f"slow-{label[:3]}-{i}", *base, "--slow-rank", "1", "--slow-ms", "30")))
+            paths = root / f"clean-{len(label)}-{i}", root / f"slow-{len(label)}-{i}"
+            procs = [torchrun(paths[0], *base)]
+            if not together:
+                procs[0].wait()
+            procs.append(torchrun(paths[1], *base, "--slow-rank", "1", "--slow-ms", "30"))
+            if any(p.wait() != 0 for p in procs):
+                raise SystemExit(f"torchrun failed: {paths}")
+            clean, slow = whatif(load_run(paths[0])), whatif(load_run(paths[1]))
             c, s = clean["step_ms"]["measured"], slow["step_ms"]["measured"]
             top, pair = slow["by_rank"][0], slow["by_rank_phase"][0]
             print(f"| {label} | {i} | {c:.1f} | {s:.1f} | {slow['step_ms']['ideal']:.1f} | "
@@ -117,14 +125,14 @@ def false_stragglers(root: Path, runs: int) -> None:
 
 
 def diff_detection(root: Path, trials: int) -> None:
-    # --gpu-wait-ms puts ~25 ms into forward: +10 % of it is a 2.5 ms sleep on rank 1.
+    # --gpu-wait-ms puts ~50 ms into forward: +10 % of it is a 5 ms sleep on rank 1.
     base = (*STEADY, "--steps", "200")
     hits = misses = false = 0
     for i in range(trials):
         a = load_run(run(root / f"diff-a-{i}", *base))
         b = load_run(run(root / f"diff-b-{i}", *base))
         slow = load_run(run(root / f"diff-s-{i}", *base, "--slow-rank", "1", "--slow-phase", "forward",
-                            "--slow-ms", "2.5"))
+                            "--slow-ms", "5"))
         found = [(f["kind"], f["rank"], f["phase"]) for f in diff_runs(a, slow)["findings"]]
         if ("regression", 1, "forward") in found:
             hits += 1
