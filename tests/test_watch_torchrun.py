@@ -138,7 +138,7 @@ def test_rank_stuck_in_a_regular_expression_holding_the_gil(tmp_path: Path) -> N
 
 
 def test_clean_run_with_a_legitimately_slow_checkpoint_raises_nothing(tmp_path: Path) -> None:
-    w = watch_job(tmp_path, ["--steps", "10", "--checkpoint-every", "4", "--slow-rank", "0", "--slow-phase",
+    w = watch_job(tmp_path, ["--steps", "7", "--checkpoint-every", "4", "--slow-rank", "0", "--slow-phase",
                              "checkpoint", "--slow-ms", "6000"], ["--timeout", "120"])
     assert w.code == 0 and w.findings() == [] and w.events[-1]["processes"] == 2
     run = load_run(w.run, warn=lambda _: None)
