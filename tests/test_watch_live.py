@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -109,7 +110,8 @@ class Growing:
         self.written = {id(p): 0 for p in procs}
         self.now = procs[0].t0
         self.host = FakeHost()
-        self.live = LiveRun(run_dir, probe=self.host, clock=lambda: self.now, **live_kwargs)  # type: ignore[arg-type]
+        self.live = LiveRun(run_dir, probe=self.host, clock=lambda: self.now, background=False,  # type: ignore[arg-type]
+                            **live_kwargs)
 
     def flush(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -334,3 +336,19 @@ def test_with_stacks_a_hang_waits_briefly_for_the_culprits_own_stall_record(tmp_
     _stall(procs[1], FORWARD, 2.3)
     (event,) = g.poll_at(0.1)
     assert (event["finding"]["rank"], event["finding"]["stacks"][0]["tid"]) == (1, 1)
+
+
+def test_the_straggler_rule_runs_beside_reading_and_its_answer_comes_later(tmp_path: Path) -> None:
+    procs = [Proc(rank=r, world_size=4) for r in range(4)]
+    for p in procs:
+        _settings(p)
+        p.steps(range(30), {"data_fetch": 30.0 if p.rank == 1 else 5.0, FORWARD: 20.0, BACKWARD: 40.0})
+    write_run(tmp_path, procs)
+    live = LiveRun(tmp_path, probe=FakeHost(host="elsewhere"), clock=lambda: procs[0].t0 + 10)  # type: ignore[arg-type]
+    found: list[dict] = []
+    deadline = time.monotonic() + 20
+    while not found and time.monotonic() < deadline:
+        found = [e["finding"] for e in live.poll() if e["finding"]["kind"] == "straggler"]
+        time.sleep(0.05)
+    live.close()
+    assert {(f["rank"], f["phase"]) for f in found} >= {(1, "data_fetch")}

@@ -35,7 +35,9 @@ import sys
 import time
 from array import array
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +250,10 @@ class LiveProcess:
         return "stalled" if self.stalled(now) else "running"
 
 
+def _straggler_work(asks: list[tuple[list[ProcessState], tuple[int, int]]], order: list[str]) -> list[dict[str, Any]]:
+    return [f for states, window in asks for f in straggler_findings(states, order, window)]
+
+
 def _recent(state: ProcessState, first_step: int) -> ProcessState:
     """A view of ``state`` with only what the straggler rule reads (phases, parents, host) for steps from
     ``first_step`` on, so asking it costs the same at step 100 and at step 100,000. Only the newest
@@ -288,11 +294,13 @@ class LiveRun:
 
     Events are ``{"type": "finding" | "resolved", "ts", "finding"}`` (docs/watch.md). ``stacks``:
     add the culprit's stacks to hang and crash findings (its latest stall record, or a py-spy dump of
-    a silent process on this host). ``clock`` and ``probe`` are for tests and benchmarks.
+    a silent process on this host). ``background``: ask the straggler rule in a worker thread (its
+    answer comes a poll or more later; ``close()`` stops it). ``clock`` and ``probe`` are for tests.
     """
 
     def __init__(self, path: str | Path, *, warn: Warn | None = None, stacks: bool = False,
-                 probe: HostProbe | None = None, clock: Callable[[], float] = time.time) -> None:
+                 background: bool = True, probe: HostProbe | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.tail = Tail(Path(path), BadLines(warn))
         self.stacks = stacks
         self.probe = probe if probe is not None else HostProbe()
@@ -307,6 +315,9 @@ class LiveRun:
         self._dirty = False
         self._next_stragglers: dict[tuple[str, int], float] = {}
         self._straggled_final: set[tuple[str, int]] = set()
+        self.background = background
+        self._pool: ThreadPoolExecutor | None = None
+        self._job: tuple[Future[list[dict[str, Any]]], list[tuple[str, int]], float] | None = None
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -394,10 +405,11 @@ class LiveRun:
             alive = {lp.state for lp in self.procs.values() if not lp.dead}
             run = Run([lp.state for lp in self.procs.values()])
             events += self._raise(findings(run, alive=alive, running=running, stragglers=False), groups, running, now)
-        due = [key for key, group in groups.items() if self._straggler_due(key, group, now)]
-        if due:
-            events += self._stragglers(groups, due, running, now)
-        return events
+        if self._job is None:
+            due = [key for key, group in groups.items() if self._straggler_due(key, group, now)]
+            if due:
+                self._ask_stragglers(groups, due)
+        return events + self._straggler_results(groups, running, now)
 
     def _straggler_due(self, key: tuple[str, int], group: list[LiveProcess], now: float) -> bool:
         """Every :data:`STRAGGLERS_EVERY_S` while the group runs, and once more when it has finished."""
@@ -408,22 +420,39 @@ class LiveRun:
             return True
         return now >= self._next_stragglers.get(key, 0.0)
 
-    def _stragglers(self, groups: dict[tuple[str, int], list[LiveProcess]], due: list[tuple[str, int]],
-                    running: set[ProcessState], now: float) -> list[Event]:
-        """The straggler rule over each due group's last :data:`RECENT_STEPS` steps; stragglers no longer
-        named there are resolved."""
+    def _ask_stragglers(self, groups: dict[tuple[str, int], list[LiveProcess]], due: list[tuple[str, int]]) -> None:
+        """Ask the straggler rule over each due group's last :data:`RECENT_STEPS` steps, on private
+        recent-steps views: in a worker thread (``background``), so reading goes on meanwhile."""
         order = Run([lp.state for lp in self.procs.values()]).phase_order()
-        found = []
+        asks = []
         for key in due:
-            began = time.perf_counter()
             states = [lp.state for lp in groups[key]]
             last = max((s.final_step for s in states if s.final_step is not None), default=None)
             if last is not None:
                 first = last - RECENT_STEPS + 1
-                found += straggler_findings([_recent(s, first) for s in states], order, (first, last))
-            # Its cost grows with the ranks (about 2 ms each): asked less often, it stays near 5 % of a core.
-            took = time.perf_counter() - began
+                asks.append(([_recent(s, first) for s in states], (first, last)))
+        work = partial(_straggler_work, asks, order)
+        if self.background:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="otel-train-stragglers")
+            future = self._pool.submit(work)
+        else:
+            future = Future()
+            future.set_result(work())
+        self._job = (future, due, time.perf_counter())
+
+    def _straggler_results(self, groups: dict[tuple[str, int], list[LiveProcess]], running: set[ProcessState],
+                           now: float) -> list[Event]:
+        """Stragglers of a finished ask raised; those it no longer names resolved; the next ask scheduled."""
+        if self._job is None or not self._job[0].done():
+            return []
+        future, due, began = self._job
+        self._job = None
+        # Its cost grows with the ranks (about 2 ms each): asked less often, it stays near 5 % of a core.
+        took = time.perf_counter() - began
+        for key in due:
             self._next_stragglers[key] = now + max(STRAGGLERS_EVERY_S, STRAGGLER_COST_FACTOR * took)
+        found = future.result()
         current = {_key(f) for f in found}
         events = self._raise(found, groups, running, now)
         judged = {attempt for _, attempt in due}
@@ -431,6 +460,11 @@ class LiveRun:
             if f["kind"] == STRAGGLER and f["attempt"] in judged and key not in current:
                 events.append(self._resolved(key, now))
         return events
+
+    def close(self) -> None:
+        """Stop a straggler ask still running (its result is not wanted any more)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _raise(self, found: list[dict[str, Any]], groups: dict[tuple[str, int], list[LiveProcess]],
                running: set[ProcessState], now: float) -> list[Event]:
@@ -503,8 +537,8 @@ class LiveRun:
     def finished(self, now: float | None = None) -> bool:
         """Every process ended or died, and no new attempt is expected: at once, unless the latest
         attempt failed and its launcher may restart it (then up to :data:`RESTART_GRACE_S`)."""
-        if not self.procs or any(not lp.finished for lp in self.procs.values()):
-            return False
+        if not self.procs or self._job is not None or any(not lp.finished for lp in self.procs.values()):
+            return False  # (a straggler ask still running has the last word on the stragglers)
         now = self.clock() if now is None else now
         latest = max(lp.state.attempt for lp in self.procs.values())
         last = [lp for lp in self.procs.values() if lp.state.attempt == latest]

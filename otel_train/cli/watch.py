@@ -52,6 +52,7 @@ def watch(
         try:
             code = _follow(live, view, hooks, kinds, time.monotonic() + timeout if timeout else None)
         finally:
+            live.close()
             view.close()
             hooks.wait()
         note_malformed(live.malformed_lines)
