@@ -165,25 +165,30 @@ def _stop_findings(
             found.append(_all_stopped(stopped))
             return culprits, found
     for d in behind:
-        step, phase = _where(d)
-        alone = len(group) == 1
-        crashed = dead(d) and (alone or any(not dead(p) for p in group if p is not d))
-        chain = " > ".join(u.name for u in d.unclosed)
-        waiting = ""
-        if ahead:
-            places = sorted({_where(p)[1] or "?" for p in ahead})
-            waiting = f"; peers {_ranks(ahead)} waited in {'/'.join(places)}"
-        elif others:
-            waiting = f"; peers {_ranks(others)} did not stop inside a span"
-        if crashed:
-            message = f"rank {d.rank} (attempt {d.attempt}) died without shutdown inside {chain} at step {step}{waiting}"
-        else:
-            message = f"rank {d.rank} (attempt {d.attempt}) stopped inside {chain} at step {step}{waiting}"
-        stacks = stall_stacks(d)
-        found.append(_finding(CRASH if crashed else HANG, d, step, phase, message, victims=[p.rank for p in ahead],
-                              **({"stacks": stacks} if stacks else {})))
+        crashed = dead(d) and (len(group) == 1 or any(not dead(p) for p in group if p is not d))
+        found.append(_stopped_inside(d, crashed, ahead, others))
         culprits.append(d)
     return culprits, found
+
+
+def _stopped_inside(d: ProcessState, crashed: bool, ahead: list[ProcessState], others: list[ProcessState]
+                    ) -> dict[str, Any]:
+    """The hang (or crash) finding of a culprit that stopped inside a span; ``ahead`` waited for it."""
+    step, phase = _where(d)
+    chain = " > ".join(u.name for u in d.unclosed)
+    waiting = ""
+    if ahead:
+        places = sorted({_where(p)[1] or "?" for p in ahead})
+        waiting = f"; peers {_ranks(ahead)} waited in {'/'.join(places)}"
+    elif others:
+        waiting = f"; peers {_ranks(others)} did not stop inside a span"
+    if crashed:
+        message = f"rank {d.rank} (attempt {d.attempt}) died without shutdown inside {chain} at step {step}{waiting}"
+    else:
+        message = f"rank {d.rank} (attempt {d.attempt}) stopped inside {chain} at step {step}{waiting}"
+    stacks = stall_stacks(d)
+    return _finding(CRASH if crashed else HANG, d, step, phase, message, victims=[p.rank for p in ahead],
+                    **({"stacks": stacks} if stacks else {}))
 
 
 def _fatal_error_before(stopped: list[ProcessState], others: list[ProcessState]) -> ProcessState | None:
