@@ -44,10 +44,12 @@ def _verdict(row: dict[str, Any]) -> str:
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
-    """(phase, rank, row) for every phase (all ranks) and rank x phase comparison, regressions first,
-    then improvements, each by the size of the change."""
+    """(phase, rank, row) for every phase (all ranks) and the rank x phase comparisons that are
+    significant, regressions first, then improvements, each by the size of the change."""
     collective = {p["name"] for p in result["phases"] if p["collective"]}
-    out = [(p["name"], "all", p) for p in result["phases"]] + [(r["phase"], str(r["rank"]), r) for r in result["ranks"]]
+    max_p = result["thresholds"]["max_p"]
+    out = [(p["name"], "all", p) for p in result["phases"]]
+    out += [(r["phase"], str(r["rank"]), r) for r in result["ranks"] if r["p_value"] < max_p]
     out = [(f"{name} (own time)" if name in collective else name, rank, row) for name, rank, row in out]
 
     def effect(item: tuple[str, str, dict[str, Any]]) -> tuple[int, float]:
@@ -73,7 +75,8 @@ def _render(result: dict[str, Any], out: Console) -> None:
     if not result["findings"]:
         out.print("No regression or improvement above the thresholds.")
     rows = _rows(result)
-    table = Table(title="Medians (ms), regressions first, by the size of the change", title_justify="left")
+    table = Table(title="Medians (ms) per phase, and per rank where the change is significant; regressions "
+                        "first, by the size of the change", title_justify="left")
     for col in ("phase", "rank", "A", "B", "Δ ms", "Δ %", "p", "verdict"):
         table.add_column(col, justify="left" if col in ("phase", "verdict") else "right")
     for name, rank, row in rows[:SHOWN]:
@@ -83,4 +86,4 @@ def _render(result: dict[str, Any], out: Console) -> None:
                       _num(row["p_value"], ".1g"), _verdict(row))
     out.print(table)
     if len(rows) > SHOWN:
-        out.print(f"{len(rows) - SHOWN} more rows: --json shows all")
+        out.print(f"{len(rows) - SHOWN} more rows; --json shows every rank x phase")

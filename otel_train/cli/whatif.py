@@ -14,6 +14,8 @@ from otel_train.cli._app import app
 from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
 
 SHOWN = 10
+MIN_PCT = 1.0
+"""(rank, phase) pairs that cost less than this % of a step are left out of the text (not of --json)."""
 
 
 @app.command()
@@ -48,7 +50,7 @@ def _render(result: dict[str, Any], out: Console) -> None:
         f"{fmt_ms(ms['actual'])} ms (measured {fmt_ms(ms['measured'])} ms); with every rank and phase "
         f"typical {fmt_ms(ms['ideal'])} ms, a slowdown of {result['slowdown']:.2f}x"
     )
-    pairs = [r for r in result["by_rank_phase"] if r["cost_ms"] > 0][:SHOWN]
+    pairs = [r for i, r in enumerate(result["by_rank_phase"]) if r["cost_ms"] > 0 and (i == 0 or r["cost_pct"] >= MIN_PCT)]
     if pairs:
         table = Table(title="What each rank's phase costs every step", title_justify="left")
         for col in ("", "costs", "ms/step", "step if typical (ms)"):
@@ -62,7 +64,8 @@ def _render(result: dict[str, Any], out: Console) -> None:
         for col in (label, "slowdown", "costs", "ms/step"):
             table.add_column(col, justify="left" if col == label else "right")
         for r in result[key][:SHOWN]:
-            name = str(r[label]) + (" (collective: its own time; waiting is charged to its cause)"
-                                    if r.get("collective") else "")
+            name = str(r[label]) + (" (collective)" if r.get("collective") else "")
             table.add_row(name, f"{r['slowdown']:.3f}x", _pct(r), fmt_ms(r["cost_ms"]))
         out.print(table)
+    out.print("collective: only its own time is made typical; the waiting in it is charged to the rank and "
+              "phase that caused it")
