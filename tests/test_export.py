@@ -246,6 +246,18 @@ def test_parallel_export_writes_the_same_bytes(tmp_path: Path, monkeypatch: pyte
     assert not list(tmp_path.glob(".*.part*"))
 
 
+def test_writing_in_small_chunks_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_train.analysis.export import chrome, perfetto
+
+    run = crashed_run(tmp_path / "run")
+    whole = {fmt: export(run, fmt, tmp_path / f"whole.{fmt}").output.read_bytes() for fmt in ("chrome", "perfetto")}
+    # Writers work in chunks of slices, events and matrix rows: cut every one of them small.
+    for module, name in ((chrome, "CHUNK"), (perfetto, "EVENT_CHUNK"), (perfetto, "_CHUNK_ROWS")):
+        monkeypatch.setattr(module, name, 7)
+    for fmt in whole:
+        assert export(run, fmt, tmp_path / f"chunked.{fmt}").output.read_bytes() == whole[fmt]
+
+
 # ---------------------------------------------------------------- track assignment
 
 

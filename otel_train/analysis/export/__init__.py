@@ -20,8 +20,8 @@ from typing import IO
 
 from otel_train import schema
 from otel_train.analysis.export import chrome, perfetto
-from otel_train.analysis.export.layout import Counts
-from otel_train.analysis.records import ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
+from otel_train.analysis.export.layout import Counts, ProcessLayout, layout_process
+from otel_train.analysis.records import Head, ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
 from otel_train.analysis.spans import PARALLEL_MIN_BYTES, iter_processes, pool_context, process_order, read_process
 
 FORMATS = ("chrome", "perfetto", "otlp-json")
@@ -29,7 +29,8 @@ ANALYSIS_DIR = "analysis"
 DEFAULT_NAMES = {"chrome": "structured_trace.json", "perfetto": "structured_trace.pftrace",
                  "otlp-json": "structured_trace.otlp.json"}
 _RENDERERS: dict[str, ModuleType] = {"chrome": chrome, "perfetto": perfetto}
-"""Formats written one process at a time: ``HEAD``, ``render`` per process joined by ``SEPARATOR``, ``tail``."""
+"""Formats written one laid-out process at a time: ``HEAD``, then ``render(layout, origin_us, file)`` per
+process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malformed_lines)``."""
 
 Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str]
 
@@ -127,41 +128,52 @@ def _write_rendered(
     """The whole run, process ``i`` of the run's order with pid ``i + 1``: rendered here, or for a large
     run by a pool of workers into part files appended here in order."""
     order = process_order(path, ranks, reader.bad.warn)
-    totals = [0, 0, 0, 0]
+    sizes = [pf.size for pf, _, _ in order]
+    workers = min(workers or os.cpu_count() or 1, len(order))
     f.write(renderer.HEAD)
-    for counts, rendered in _rendered(order, fmt, f, origin_us, reader, steps, workers):
-        if totals[3]:
-            f.write(renderer.SEPARATOR)
-        if isinstance(rendered, bytes):
-            f.write(rendered)
-        else:  # a worker's part file
-            with open(rendered, "rb") as src:
+    totals = Counts(0, 0, 0, 0)
+    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
+        for index, (pf, attempt, meta) in enumerate(order):
+            lay = _layout(pf, attempt, index, reader, steps, meta)
+            if lay is not None:
+                if totals.processes:
+                    f.write(renderer.SEPARATOR)
+                totals = _add(totals, renderer.render(lay, origin_us, f))
+    else:
+        for counts, part in _pooled(order, sizes, fmt, f, origin_us, reader, steps, workers):
+            if totals.processes:
+                f.write(renderer.SEPARATOR)
+            with open(part, "rb") as src:
                 shutil.copyfileobj(src, f, 1 << 20)
-            os.unlink(rendered)
-        totals = [a + b for a, b in zip(totals, counts)]
-    f.write(renderer.tail(origin_us, totals[3], reader.malformed_lines))
-    return Counts(*totals)
+            os.unlink(part)
+            totals = _add(totals, counts)
+    f.write(renderer.tail(origin_us, totals.processes, reader.malformed_lines))
+    return totals
 
 
-def _rendered(
-    order: list[tuple[ProcessFiles, int, object]],
+def _add(a: Counts, b: Counts) -> Counts:
+    return Counts(*(x + y for x, y in zip(a, b)))
+
+
+def _layout(pf: ProcessFiles, attempt: int, index: int, reader: Reader, steps: tuple[int, int] | None,
+            meta: Head | None = None) -> ProcessLayout | None:
+    """One process read and laid out (None without a valid record). Only the layout is returned: the
+    records are freed before anything is written."""
+    state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
+    return layout_process(state, index) if state.records else None
+
+
+def _pooled(
+    order: list[tuple[ProcessFiles, int, Head | None]],
+    sizes: list[int],
     fmt: str,
     f: IO[bytes],
     origin_us: int,
     reader: Reader,
     steps: tuple[int, int] | None,
-    workers: int | None,
-) -> Iterator[tuple[Counts, bytes | str]]:
-    """Each process with records, in order: its counts, and its bytes or the part file holding them."""
-    sizes = [pf.size for pf, _, _ in order]
-    workers = min(workers or os.cpu_count() or 1, len(order))
-    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
-        for index, (pf, attempt, meta) in enumerate(order):
-            state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
-            if state.records:
-                data, counts = _RENDERERS[fmt].render(state, index, origin_us)
-                yield counts, data
-        return
+    workers: int,
+) -> Iterator[tuple[Counts, str]]:
+    """Each process with records, in order, rendered by a worker: its counts and its part file."""
     stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
     tasks: list[Task] = [(pf, attempt, index, origin_us, steps, fmt, f"{stem}{index}")
                          for index, (pf, attempt, _) in enumerate(order)]
@@ -177,14 +189,13 @@ def _rendered(
 
 
 def _render_task(task: Task) -> tuple[Counts, int, list[str], str | None]:
-    """Worker: read and render one process into a part file; (counts, malformed, warnings, part)."""
+    """Worker: read, lay out and render one process into a part file; (counts, malformed, warnings, part)."""
     pf, attempt, index, origin_us, steps, fmt, part = task
     warnings: list[str] = []
     reader = Reader(warn=warnings.append)
-    state = read_process(pf, attempt, reader, keep=True, steps=steps)
-    if not state.records:
+    lay = _layout(pf, attempt, index, reader, steps)
+    if lay is None:
         return Counts(0, 0, 0, 0), reader.malformed_lines, warnings, None
-    data, counts = _RENDERERS[fmt].render(state, index, origin_us)
-    with open(part, "wb") as out:
-        out.write(data)
+    with open(part, "wb", buffering=1 << 20) as out:
+        counts = _RENDERERS[fmt].render(lay, origin_us, out)
     return counts, reader.malformed_lines, warnings, part

@@ -12,21 +12,24 @@ loop), the per-span pieces looked up by code (name heads, status, attribute and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from itertools import chain
+from typing import IO
 
 import msgspec
 import numpy as np
 
 from otel_train._version import __version__
-from otel_train.analysis.export.layout import NO_STEP, Counts, ProcessLayout, layout_process, track_tid
-from otel_train.analysis.spans import ProcessState
+from otel_train.analysis.export.layout import NO_STEP, Counts, ProcessLayout, track_tid
 
 HEAD = b'{"displayTimeUnit":"ms","traceEvents":[\n'
 """What the file starts with."""
 SEPARATOR = b",\n"
 """What goes between two processes' events."""
 ERROR_CNAME = "terrible"
+CHUNK = 16384
+"""Events formatted at a time: what a process needs beyond its layout stays bounded."""
 
 _encode = msgspec.json.Encoder().encode
 
@@ -35,13 +38,18 @@ def _json(value: object) -> str:
     return _encode(value).decode()
 
 
-def render(state: ProcessState, index: int, origin_us: int) -> tuple[bytes, Counts]:
-    """One process's events (comma separated) and counts; ``index`` is its place in the export
-    (synthetic pid ``index + 1``), ``origin_us`` the trace start in Unix µs."""
-    lay = layout_process(state, index)
-    events = [_metadata(lay), _slices(lay, origin_us), _instants(lay, origin_us), _counters(lay, origin_us)]
-    counts = Counts(len(lay.spans.start_us), len(lay.instants.ts_us), len(lay.counters.ts_us), 1)
-    return ",\n".join(e for e in events if e).encode(), counts
+def render(lay: ProcessLayout, origin_us: int, out: IO[bytes]) -> Counts:
+    """Write one laid-out process's events (comma separated) to ``out``, a chunk of slices or counter
+    samples at a time; its counts. ``origin_us`` is the trace start in Unix µs."""
+    texts = chain([_metadata(lay)], _slices(lay, origin_us), [_instants(lay, origin_us)], _counters(lay, origin_us))
+    first = True
+    for text in texts:
+        if text:
+            if not first:
+                out.write(b",\n")
+            out.write(text.encode())
+            first = False
+    return Counts(len(lay.spans.start_us), len(lay.instants.ts_us), len(lay.counters.ts_us), 1)
 
 
 def tail(origin_us: int, processes: int, malformed: int) -> bytes:
@@ -74,36 +82,39 @@ def _metadata(lay: ProcessLayout) -> str:
     return ",\n".join(events)
 
 
-def _slices(lay: ProcessLayout, origin_us: int) -> str:
-    """Every span as an ``X`` event: one format string per process, filled from the columns."""
+def _slices(lay: ProcessLayout, origin_us: int) -> Iterator[str]:
+    """Every span as an ``X`` event, :data:`CHUNK` at a time: one format string per chunk, filled from
+    the columns."""
     spans = lay.spans
     n = len(spans.start_us)
     if not n:
-        return ""
+        return
     heads = np.array([f'{{"ph":"X","name":{_json(name)},"cat":"span","ts":' for name in lay.names], object)
-    ts = spans.start_us - origin_us
-    tids = track_tid(lay.pid, spans.track)
-    steps = spans.step.tolist()
-    if (spans.step == NO_STEP).any():
-        steps = ["" if s == NO_STEP else f'"step":{s},' for s in steps]
-        row = '%s%d,"dur":%d,"pid":%d,"tid":%d,"args":{%s"span_id":"%s",%s'
-    else:
-        row = '%s%d,"dur":%d,"pid":%d,"tid":%d,"args":{"step":%d,"span_id":"%s",%s'
-    columns = (heads[spans.name].tolist(), ts.tolist(), (spans.end_us - spans.start_us).tolist(),
-               [lay.pid] * n, tids.tolist(), steps, _span_ids(spans.span_ids), _tails(lay))
-    return ",\n".join([row] * n) % tuple(chain.from_iterable(zip(*columns)))
+    has_step = not (spans.step == NO_STEP).any()
+    step = '"step":%d,' if has_step else "%s"
+    row = '%s%d,"dur":%d,"pid":' + str(lay.pid) + ',"tid":%d,"args":{' + step + '"span_id":"%s",%s'
+    tails = _tails(lay)
+    for a in range(0, n, CHUNK):
+        b = min(n, a + CHUNK)
+        steps = spans.step[a:b].tolist()
+        if not has_step:
+            steps = ["" if s == NO_STEP else f'"step":{s},' for s in steps]
+        columns = (heads[spans.name[a:b]].tolist(), (spans.start_us[a:b] - origin_us).tolist(),
+                   (spans.end_us[a:b] - spans.start_us[a:b]).tolist(), track_tid(lay.pid, spans.track[a:b]).tolist(),
+                   steps, _span_ids(spans.span_ids[a:b]), tails[a:b])
+        yield ",\n".join([row] * (b - a)) % tuple(chain.from_iterable(zip(*columns)))
 
 
 _PLAIN = bytes(range(0x20, 0x7F)).replace(b'"', b"").replace(b"\\", b"")
 """Characters a JSON string holds as they are."""
 
 
-def _span_ids(ids: list[str]) -> list[str]:
-    """Span ids as JSON string contents (ids need no escaping as a rule: one check for all of them)."""
-    joined = "".join(ids)
-    if joined.isascii() and not joined.encode().translate(None, _PLAIN):
-        return ids
-    return [_json(sid)[1:-1] for sid in ids]
+def _span_ids(ids: np.ndarray) -> list[str]:
+    """Span ids (a UTF-8 bytes column) as JSON string contents: as they are when all of them are printable
+    ASCII of one length (one check for all), else each decoded and escaped."""
+    if not ids.tobytes().translate(None, _PLAIN):
+        return ids.astype("U").tolist()
+    return [_json(sid.decode("utf-8", "replace"))[1:-1] for sid in ids.tolist()]
 
 
 def _tails(lay: ProcessLayout) -> list[str]:
@@ -139,18 +150,22 @@ def _instants(lay: ProcessLayout, origin_us: int) -> str:
     if not len(inst.ts_us):
         return ""
     names = [_json(name) for name in lay.names]
-    row = '{"ph":"i","s":"t","name":%s,"cat":"instant","ts":%d,"pid":%d,"tid":%d,"args":%s}'
-    columns = ([names[c] for c in inst.name.tolist()], (inst.ts_us - origin_us).tolist(), [lay.pid] * len(inst.args),
+    row = '{"ph":"i","s":"t","name":%s,"cat":"instant","ts":%d,"pid":' + str(lay.pid) + ',"tid":%d,"args":%s}'
+    columns = ([names[c] for c in inst.name.tolist()], (inst.ts_us - origin_us).tolist(),
                track_tid(lay.pid, inst.track).tolist(), [_json(a) for a in inst.args])
     return ",\n".join([row] * len(inst.args)) % tuple(chain.from_iterable(zip(*columns)))
 
 
-def _counters(lay: ProcessLayout, origin_us: int) -> str:
+def _counters(lay: ProcessLayout, origin_us: int) -> Iterator[str]:
     counters = lay.counters
     n = len(counters.values)
-    if not n:
-        return ""
     keys = np.array([_json(key) for key in lay.counter_keys], object)
-    row = '{"ph":"C","name":%s,"ts":%d,"pid":%d,"args":{"value":%r}}'
-    columns = (keys[counters.key].tolist(), (counters.ts_us - origin_us).tolist(), [lay.pid] * n, counters.values)
-    return ",\n".join([row] * n) % tuple(chain.from_iterable(zip(*columns)))
+    row = '{"ph":"C","name":%s,"ts":%d,"pid":' + str(lay.pid) + ',"args":{"value":%s}}'
+    for a in range(0, n, CHUNK):
+        b = min(n, a + CHUNK)
+        numbers = counters.values[a:b].tolist()
+        for i in np.flatnonzero(counters.integral[a:b]).tolist():
+            numbers[i] = int(numbers[i])
+        values = _json(numbers)[1:-1].split(",")  # numbers only: the commas separate them
+        columns = (keys[counters.key[a:b]].tolist(), (counters.ts_us[a:b] - origin_us).tolist(), values)
+        yield ",\n".join([row] * (b - a)) % tuple(chain.from_iterable(zip(*columns)))

@@ -189,24 +189,30 @@ def _single_track_threads(start: np.ndarray, end: np.ndarray, thread: np.ndarray
     """
     n = len(start)
     order = np.argsort(thread, kind="stable")  # threads' spans contiguous, each in start order
+    if n == 0:
+        return np.ones(threads, bool)
     rank = np.empty(n, np.int64)
     rank[order] = np.arange(n)
     s, e, t = start[order], end[order], thread[order]
-    first = np.searchsorted(t, t, side="left")  # where each span's thread begins
-    pos = np.arange(n)
-    idle = _range_max(e, first, pos) <= s
-    p = np.where(parent[order] >= 0, rank[np.maximum(parent[order], 0)], -1)
-    valid = (p >= first) & (p < pos)
+    cuts = [0, *(np.flatnonzero(np.diff(t)) + 1).tolist(), n]
+    ended = np.full(n, -np.inf)  # the latest end among the thread's earlier spans
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        ended[a + 1:b] = np.maximum.accumulate(e[a:b - 1])
+    busy = np.flatnonzero(ended > s)  # spans that start while the thread has a span open
+    p = parent[order][busy]
+    p = np.where(p >= 0, rank[np.maximum(p, 0)], -1)
+    first = np.searchsorted(t, t[busy], side="left")
     pe = e[np.maximum(p, 0)]
-    inside = valid & (pe > s) & (e <= pe) & (_range_max(e, np.maximum(p, 0) + 1, pos) <= s)
-    bad = np.bincount(t[~(idle | inside)], minlength=threads)
+    inside = (p >= first) & (p < busy) & (pe > s[busy]) & (e[busy] <= pe)
+    inside &= _range_max(e, np.where(inside, p + 1, busy), busy) <= s[busy]
+    bad = np.bincount(t[busy[~inside]], minlength=threads)
     return bad == 0
 
 
 def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """``max(values[lo[i]:hi[i]])`` for every i (-inf for an empty range): a sparse table, level by level."""
     out = np.full(len(lo), -np.inf)
-    length = hi - lo
+    length = np.maximum(hi - lo, 0)
     level = values
     k = 0
     while True:
@@ -256,7 +262,7 @@ class SpanColumns:
     attrs: np.ndarray  # codes into ProcessLayout.attrs; -1 when none or empty
     incomplete: np.ndarray  # bool: no end record, or ended as incomplete by shutdown
     failed: np.ndarray  # bool: an error, drawn red
-    span_ids: list[str]
+    span_ids: np.ndarray  # UTF-8 bytes, fixed width ("S"): no Python object per span outlives the state
     errors: dict[int, dict[str, Any]] = field(default_factory=dict)  # span index -> error
 
 
@@ -272,11 +278,12 @@ class InstantColumns:
 
 @dataclass(slots=True)
 class CounterColumns:
-    """A process's counter samples in record order: whole Unix µs, key code, value (int or float)."""
+    """A process's counter samples in record order: whole Unix µs, key code, value, whether it was an int."""
 
     ts_us: np.ndarray
     key: np.ndarray  # codes into ProcessLayout.counter_keys
-    values: list[int | float]
+    values: np.ndarray  # float64: what a trace viewer holds anyway
+    integral: np.ndarray  # bool: written as an integer
 
 
 @dataclass(slots=True)
@@ -352,9 +359,7 @@ def _span_columns(trace: ProcessState, names: Codes, statuses: Codes, attrs: Cod
     ids = [s.span_id for s in spans]
     position = dict(zip(ids, range(n)))
     track, tracks = _tracks(start, end, [s.tid for s in spans], ids, [s.parent_span_id for s in spans], position)
-    attr_list = [s.attrs for s in spans]
-    attr_codes = attrs(map(_encode, attr_list), attr_list)
-    empty = [i for i, a in enumerate(attrs.values) if not a]
+    attr_codes = _attr_codes([s.attrs for s in spans], attrs)
     status = statuses([s.status for s in spans])
     error_list = [s.error for s in spans]
     errors = {} if error_list.count(None) == n else {i: e for i, e in enumerate(error_list) if e is not None}
@@ -363,11 +368,32 @@ def _span_columns(trace: ProcessState, names: Codes, statuses: Codes, attrs: Cod
     columns = SpanColumns(
         start_us=whole_us(start), end_us=whole_us(end), track=track, name=names([s.name for s in spans]),
         step=_steps([s.step for s in spans]),
-        status=status, attrs=np.where(np.isin(attr_codes, empty), -1, attr_codes),
+        status=status, attrs=attr_codes,
         incomplete=np.isnan(closed) | (status == statuses.index.get(schema.STATUS_INCOMPLETE, -1)),
-        failed=failed, span_ids=[sid or "" for sid in ids] if None in position else ids, errors=errors,
+        failed=failed, span_ids=utf8_column(ids), errors=errors,
     )
     return columns, tracks, position
+
+
+def _attr_codes(attr_list: list[dict[str, Any] | None], attrs: Codes) -> np.ndarray:
+    """Codes of the spans' attributes (equal JSON, equal code); -1 for none or empty."""
+    codes = np.full(len(attr_list), -1, np.int64)
+    given = [i for i, a in enumerate(attr_list) if a]
+    if given:
+        some = [attr_list[i] for i in given]
+        codes[given] = attrs(map(_encode, some), some)
+    return codes
+
+
+def utf8_column(texts: list[str | None]) -> np.ndarray:
+    """Strings as a fixed-width bytes column, UTF-8 encoded (None as empty)."""
+    if None in texts:
+        texts = [t or "" for t in texts]
+    joined = "".join(texts)  # type: ignore[arg-type]
+    widths = set(map(len, texts))  # type: ignore[arg-type]
+    if len(widths) == 1 and joined and joined.isascii() and "\0" not in joined:  # one length, ASCII: one encode
+        return np.frombuffer(joined.encode("ascii"), f"S{widths.pop()}")
+    return np.array([t.encode("utf-8", "replace") for t in texts], dtype="S")  # type: ignore[union-attr]
 
 
 def _steps(steps: list[int | None]) -> np.ndarray:
@@ -408,29 +434,44 @@ def _instant_args(rec: Instant) -> dict[str, Any]:
     return args
 
 
+_NUMBERS = frozenset({int, float, bool})
+
+
 def scalar_values(rec: Scalar) -> list[tuple[str, float | int]]:
-    """The numeric, finite values of a scalar record (bools as 0/1); anything else is skipped."""
-    values = rec.values
-    if not values:
-        return []
+    """The numeric, finite values of a scalar record (bools as 0/1, integers beyond float range
+    skipped); anything else is skipped."""
     out = []
-    for key, value in values.items():
-        if type(value) is bool:
-            value = int(value)
-        if isinstance(value, (int, float)) and math.isfinite(value):
-            out.append((str(key), value))
+    for key, value in (rec.values or {}).items():
+        if type(value) in _NUMBERS:
+            try:
+                if math.isfinite(value):
+                    out.append((str(key), int(value) if type(value) is bool else value))
+            except OverflowError:
+                continue
     return out
 
 
 def _counter_columns(scalars: list[Scalar]) -> tuple[CounterColumns, list[str]]:
-    ts: list[float] = []
-    keys: list[str] = []
-    values: list[int | float] = []
-    for rec in scalars:
-        for key, value in scalar_values(rec):
-            ts.append(rec.ts)
-            keys.append(key)
-            values.append(value)
+    """Every numeric, finite value of every scalar record (the rule of :func:`scalar_values`), as columns."""
+    recs = [r for r in scalars if r.values]
+    dicts = [r.values for r in recs]
+    keys = [k for d in dicts for k in d]
+    values = [v for d in dicts for v in d.values()]
+    ts = np.repeat(np.fromiter((r.ts for r in recs), np.float64, len(recs)), list(map(len, dicts)))
+    kinds = [type(v) for v in values]
+    try:
+        numeric = np.fromiter((k in _NUMBERS for k in kinds), bool, len(kinds))
+        floats = np.array([v if k in _NUMBERS else 0.0 for v, k in zip(values, kinds)], np.float64)
+    except OverflowError:  # an integer beyond float range: the rule, value by value
+        pairs = [(r.ts, k, v) for r in recs for k, v in scalar_values(r)]
+        ts = np.array([p[0] for p in pairs], np.float64)
+        keys, values, kinds = [p[1] for p in pairs], [p[2] for p in pairs], [type(p[2]) for p in pairs]
+        numeric = np.ones(len(pairs), bool)
+        floats = np.array(values, np.float64)
+    keep = numeric & np.isfinite(floats)
+    integral = np.fromiter((k is not float for k in kinds), bool, len(kinds))[keep]
+    if not keep.all():
+        keys = [k for k, ok in zip(keys, keep.tolist()) if ok]
     codes = Codes()
-    key = codes(keys)
-    return CounterColumns(whole_us(np.asarray(ts, np.float64)), key, values), codes.values
+    key = codes([str(k) for k in keys])
+    return CounterColumns(whole_us(ts[keep]), key, floats[keep], integral), codes.values

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 import msgspec
 import numpy as np
 
 from otel_train import schema
-from otel_train.analysis.export.layout import NO_STEP, Counts, ProcessLayout, layout_process, track_tid
-from otel_train.analysis.spans import ProcessState
+from otel_train.analysis.export.layout import NO_STEP, Counts, ProcessLayout, track_tid
 
 # Trace
 TRACE_PACKET = 1
@@ -83,6 +82,8 @@ _UUID_STRIDE = 1 << 24
 _COUNTER_UUID_BASE = 1 << 23
 _INT64_MAX = (1 << 63) - 1
 _CHUNK_ROWS = 4096
+EVENT_CHUNK = 16384
+"""Events (and spans' annotations) encoded at a time: what a process needs beyond its layout stays bounded."""
 _CHUNK_BYTES = 4 << 20
 """Rows are written a chunk at a time; a chunk whose padded matrix would exceed this is halved."""
 _pack_double = struct.Struct("<d").pack
@@ -173,6 +174,11 @@ def blobs(items: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(items), np.uint8), starts, lens
 
 
+def padded(data: np.ndarray, width: int) -> np.ndarray:
+    """``data`` and ``width`` zero bytes: every slice of up to ``width`` bytes then fits in the buffer."""
+    return np.concatenate([data, np.zeros(width, np.uint8)])
+
+
 class Rows:
     """One protobuf message per row, built part by part in field order (see the module doc)."""
 
@@ -196,12 +202,17 @@ class Rows:
         block, lens = varints(values)
         self.parts.append(_Part(block, None, lens if on is None else lens * on))
 
+    def block(self, data: np.ndarray, lens: np.ndarray) -> None:
+        """Row i gets ``data[i, :lens[i]]`` (``data``: rows x width bytes)."""
+        self.parts.append(_Part(data, None, lens))
+
     def ragged(self, data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> None:
         """Row i gets ``data[starts[i]:starts[i] + lens[i]]``."""
-        width = int(lens.max(initial=0))
-        padded = np.concatenate([data, np.zeros(max(width, 1), np.uint8)])
+        width = max(int(lens.max(initial=0)), 1)
+        if int(starts.max(initial=0)) + width > len(data):
+            data = padded(data, width)
         # Each row's bytes are one row of a sliding window over the buffer: gathered by memcpy.
-        self.parts.append(_Part(np.lib.stride_tricks.sliding_window_view(padded, max(width, 1)), starts, lens))
+        self.parts.append(_Part(np.lib.stride_tricks.sliding_window_view(data, width), starts, lens))
 
     def lookup(self, items: Sequence[bytes], codes: np.ndarray) -> None:
         """Row i gets ``items[codes[i]]``; nothing where the code is -1."""
@@ -226,6 +237,13 @@ class Rows:
         for a in range(0, self.n, _CHUNK_ROWS):
             self._write(a, min(self.n, a + _CHUNK_ROWS), out)
         return b"".join(out)
+
+    def write(self, f: IO[bytes]) -> None:
+        """All rows, written to ``f`` a chunk at a time."""
+        for a in range(0, self.n, _CHUNK_ROWS):
+            out: list[bytes] = []
+            self._write(a, min(self.n, a + _CHUNK_ROWS), out)
+            f.writelines(out)
 
     def _write(self, a: int, b: int, out: list[bytes]) -> None:
         """Rows a..b through a padded matrix: each part in its columns, a mask keeps the real bytes."""
@@ -258,12 +276,17 @@ class Rows:
 # A process
 
 
-def render(state: ProcessState, index: int, origin_us: int) -> tuple[bytes, Counts]:
-    """One process's packets and counts; ``index`` is its place in the export (pid ``index + 1``).
+def render(lay: ProcessLayout, origin_us: int, out: IO[bytes]) -> Counts:
+    """Write one laid-out process's packets to ``out``, a chunk of events at a time; its counts.
     ``origin_us`` is not needed: packets carry absolute times."""
-    lay = layout_process(state, index)
-    counts = Counts(len(lay.spans.start_us), len(lay.instants.ts_us), len(lay.counters.ts_us), 1)
-    return _descriptors(lay) + _events(lay), counts
+    out.write(_descriptors(lay))
+    kind, ref, ts_us = _event_order(lay)
+    payloads = {BEGIN: _span_annotations(lay), INSTANT: _instant_annotations(lay), COUNTER: _counter_values(lay)}
+    payloads = {k: (padded(data, int(lens.max(initial=0))), starts, lens) for k, (data, starts, lens) in payloads.items()}
+    for a in range(0, len(kind), EVENT_CHUNK):
+        b = a + EVENT_CHUNK
+        _packets(lay, kind[a:b], ref[a:b], ts_us[a:b], payloads, first=a == 0).write(out)
+    return Counts(len(lay.spans.start_us), len(lay.instants.ts_us), len(lay.counters.ts_us), 1)
 
 
 def tail(origin_us: int, processes: int, malformed: int) -> bytes:
@@ -341,37 +364,65 @@ def _event_order(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def _span_annotations(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each span's debug annotations (step, span_id, status, attributes, error, incomplete) as bytes."""
+    """Each span's debug annotations as bytes: one buffer, each span's offset and length."""
+    n = len(lay.spans.start_us)
+    chunks = [_span_annotation_rows(lay, a, min(n, a + EVENT_CHUNK)).compact() for a in range(0, n, EVENT_CHUNK)]
+    if not chunks:
+        return np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    offsets = np.cumsum([0] + [len(data) for data, _, _ in chunks[:-1]])
+    return (np.concatenate([data for data, _, _ in chunks]),
+            np.concatenate([starts + offset for (_, starts, _), offset in zip(chunks, offsets)]),
+            np.concatenate([lens for _, _, lens in chunks]))
+
+
+def _span_annotation_rows(lay: ProcessLayout, lo: int, hi: int) -> Rows:
+    """Spans lo..hi's annotations: step, span_id, status, attributes, error, incomplete."""
     spans = lay.spans
-    rows = Rows(len(spans.start_us))
-    has_step = spans.step != NO_STEP
+    rows = Rows(hi - lo)
+    steps = spans.step[lo:hi]
+    has_step = steps != NO_STEP
     step = Rows(rows.n)
     step.const(str_field(DA_NAME, schema.STEP), has_step)
-    step.field(DA_INT, spans.step, has_step)
+    step.field(DA_INT, steps, has_step)
     rows.message(TE_DEBUG_ANNOTATIONS, step, has_step)
-    ids = [sid.encode("utf-8", "replace") for sid in spans.span_ids]
+    ids = spans.span_ids[lo:hi]
     span_id = Rows(rows.n)
     span_id.const(str_field(DA_NAME, schema.SPAN_ID))
     text = Rows(rows.n)
-    text.ragged(*blobs(ids))
+    text.block(ids.view(np.uint8).reshape(rows.n, ids.itemsize), np.char.str_len(ids).astype(np.int64))
     span_id.message(DA_STRING, text)
     rows.message(TE_DEBUG_ANNOTATIONS, span_id)
-    rows.lookup([debug_annotation(schema.STATUS, s) for s in lay.statuses], spans.status)
-    rows.lookup([b"".join(debug_annotation(str(k), v) for k, v in (a or {}).items()) for a in lay.attrs], spans.attrs)
+    rows.lookup([debug_annotation(schema.STATUS, s) for s in lay.statuses], spans.status[lo:hi])
+    rows.lookup([b"".join(debug_annotation(str(k), v) for k, v in (a or {}).items()) for a in lay.attrs],
+                spans.attrs[lo:hi])
+    errors = {i - lo: e for i, e in spans.errors.items() if lo <= i < hi}
     error_code = np.full(rows.n, -1)
-    error_code[list(spans.errors)] = np.arange(len(spans.errors))
-    rows.lookup([debug_annotation(schema.ERROR, e) for e in spans.errors.values()], error_code)
-    rows.const(debug_annotation("incomplete", True), spans.incomplete)
-    return rows.compact()
+    error_code[list(errors)] = np.arange(len(errors))
+    rows.lookup([debug_annotation(schema.ERROR, e) for e in errors.values()], error_code)
+    rows.const(debug_annotation("incomplete", True), spans.incomplete[lo:hi])
+    return rows
 
 
-def _events(lay: ProcessLayout) -> bytes:
-    """Every span begin and end, instant and counter sample as a TracePacket, in :func:`_event_order`."""
-    kind, ref, ts_us = _event_order(lay)
+def _instant_annotations(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return blobs([b"".join(debug_annotation(str(k), v) for k, v in args.items()) for args in lay.instants.args])
+
+
+def _counter_values(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each counter sample's value field, as one buffer with offsets and lengths."""
+    n = len(lay.counters.values)
+    values = np.empty((n, 10), np.uint8)
+    values[:, :2] = np.frombuffer(_key(TE_DOUBLE_COUNTER_VALUE, _WT_I64), np.uint8)
+    values[:, 2:] = lay.counters.values.astype("<f8").view(np.uint8).reshape(-1, 8)
+    return values.reshape(-1), np.arange(n) * 10, np.full(n, 10)
+
+
+def _packets(lay: ProcessLayout, kind: np.ndarray, ref: np.ndarray, ts_us: np.ndarray,
+             payloads: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], first: bool) -> Rows:
+    """These events (of :func:`_event_order`) as TracePackets; ``first``: they start the sequence.
+    ``payloads`` holds, per event kind, what each event carries after its name (annotations, a value)."""
     n = len(kind)
     spans, inst, ctr, pid = lay.spans, lay.instants, lay.counters, lay.pid
     rows = [np.flatnonzero(kind == k) for k in (BEGIN, END, INSTANT, COUNTER)]
-    begin, end, instant, counter = rows
     span_rows = np.flatnonzero(kind <= END)
 
     def column(values_by_kind: dict[int, np.ndarray]) -> np.ndarray:
@@ -382,35 +433,28 @@ def _events(lay: ProcessLayout) -> bytes:
 
     event = Rows(n)
     event.lookup([uint_field(TE_TYPE, k + 1) for k in (BEGIN, END, INSTANT, COUNTER)], kind)
-    uuid = column({INSTANT: _track_uuid(pid, inst.track[ref[instant]]),
-                   COUNTER: _counter_uuid(pid, ctr.key[ref[counter]])})
+    uuid = column({INSTANT: _track_uuid(pid, inst.track[ref[rows[INSTANT]]]),
+                   COUNTER: _counter_uuid(pid, ctr.key[ref[rows[COUNTER]]])})
     uuid[span_rows] = _track_uuid(pid, spans.track[ref[span_rows]])
     event.field(TE_TRACK_UUID, uuid)
     named = (kind == BEGIN) | (kind == INSTANT)
-    event.field(TE_NAME_IID, column({BEGIN: spans.name[ref[begin]], INSTANT: inst.name[ref[instant]]}) + 1, named)
-    for k, (data, starts, lens) in ((BEGIN, _span_annotations(lay)), (INSTANT, _instant_annotations(lay))):
+    iid = column({BEGIN: spans.name[ref[rows[BEGIN]]], INSTANT: inst.name[ref[rows[INSTANT]]]}) + 1
+    event.field(TE_NAME_IID, iid, named)
+    for k, (data, starts, lens) in payloads.items():
         event.ragged(data, column({k: starts[ref[rows[k]]]}), column({k: lens[ref[rows[k]]]}))
-    values = np.empty((len(ctr.values), 10), np.uint8)
-    values[:, :2] = np.frombuffer(_key(TE_DOUBLE_COUNTER_VALUE, _WT_I64), np.uint8)
-    values[:, 2:] = np.asarray(ctr.values, "<f8").view(np.uint8).reshape(-1, 8)
-    event.ragged(values.reshape(-1), column({COUNTER: ref[counter] * 10}), column({COUNTER: np.full(len(counter), 10)}))
-
     packet = Rows(n)
     packet.field(PKT_TIMESTAMP, ts_us * 1000)
     packet.field(PKT_SEQUENCE_ID, np.full(n, pid))
     flags = np.where(named, 0, -1)
-    flags[:1] = 1  # the sequence's first packet clears its state and interns every name
+    if first:  # the sequence's first packet clears its state and interns every name
+        flags[:1] = 1
+        packet.lookup([_interned_names(lay.names)], np.where(np.arange(n) == 0, 0, -1))
     packet.lookup([uint_field(PKT_SEQUENCE_FLAGS, SEQ_NEEDS_INCREMENTAL_STATE),
                    uint_field(PKT_SEQUENCE_FLAGS, SEQ_NEEDS_INCREMENTAL_STATE | SEQ_INCREMENTAL_STATE_CLEARED)], flags)
-    packet.lookup([_interned_names(lay.names)], np.where(np.arange(n) == 0, 0, -1))
     packet.message(PKT_TRACK_EVENT, event)
     trace = Rows(n)
     trace.message(TRACE_PACKET, packet)
-    return trace.tobytes()
-
-
-def _instant_annotations(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return blobs([b"".join(debug_annotation(str(k), v) for k, v in args.items()) for args in lay.instants.args])
+    return trace
 
 
 def _interned_names(names: list[str]) -> bytes:
