@@ -46,7 +46,7 @@ from otel_train.handlers import load_handlers
 from otel_train.phases import STEP
 from otel_train.resource import RunContext, build_resource, detect_run_context
 from otel_train.spans import CleanTracer, LeanTracer
-from otel_train.watchdog import DurationSketch, Watchdog
+from otel_train.watchdog import Watchdog
 
 TRAINING_ATTR_PREFIX = "training."
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
@@ -335,10 +335,9 @@ def _start_watchdog(rt: _Runtime) -> None:
     settings, jsonl = rt.settings, rt.jsonl
     if not settings.watchdog or jsonl is None:
         return
-    sketch = DurationSketch()
-    jsonl.on_duration = sketch.add
-    watchdog = Watchdog(jsonl, sketch, heartbeat_s=settings.heartbeat_s, stall_min_s=settings.stall_min_s,
+    watchdog = Watchdog(jsonl, heartbeat_s=settings.heartbeat_s, stall_min_s=settings.stall_min_s,
                         stall_factor=settings.stall_factor)
+    jsonl.ended = watchdog.ended
     rt.undo.append(watchdog.start().stop)
 
 

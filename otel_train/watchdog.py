@@ -14,16 +14,18 @@ processor keeps them until they end); this thread looks at that set about once a
 Only the innermost open span of each thread is judged: a ``step`` that is long because its
 ``checkpoint`` is long (and within the checkpoint's own threshold) is not a stall.
 
-Costs on the hot path: one O(1) sketch update at each span end (:class:`DurationSketch`). The thread
-reads the processor's record count instead of a timestamp per write, copies the open-span table (one
-C-level dict copy under the GIL, no lock) and takes the processor's write lock only to write its own
-records. It never touches torch, never blocks training, and reports its own faults through ``otel_train._report``.
+Costs on the hot path: one deque append of the span at its end; the thread counts those spans
+into a per-name duration sketch (:class:`DurationSketch`, O(1) per span). It reads the processor's
+record count instead of a timestamp per write, copies the open-span table (one C-level dict copy
+under the GIL, no lock) and takes the processor's write lock only to write its own records. It never
+touches torch, never blocks training, and reports its own faults through ``otel_train._report``.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections import deque
 import threading
 import time
 from types import FrameType
@@ -37,6 +39,8 @@ MAX_FRAMES = 64
 """Innermost frames kept per thread in a stall record."""
 MAX_TICK_S = 1.0
 """The thread looks at least this often (more often when heartbeat_s or stall_min_s is short)."""
+MAX_QUEUED_SPANS = 1 << 17
+"""Ended spans waiting for the next look; beyond, the oldest are dropped (the sketch is a sample then)."""
 
 _GAMMA = 1.02
 _INV_LOG_GAMMA = 1.0 / math.log(_GAMMA)
@@ -47,9 +51,8 @@ _log = math.log
 class DurationSketch:
     """Closed-span durations per name, as log-spaced bucket counts (the DDSketch idea, ±1 % relative).
 
-    ``add`` runs on the hot path at every span end: one dict lookup, one logarithm, one list slot
-    bumped, no lock (a lost increment under a thread race is harmless to a p99). ``quantile`` runs on
-    the watchdog thread and reads a copy of the counts.
+    ``add`` is one dict lookup, one logarithm and one list slot bumped; the watchdog's thread calls it
+    and ``quantile``, which reads a copy of the counts.
     """
 
     __slots__ = ("_buckets",)
@@ -63,6 +66,19 @@ class DurationSketch:
         if counts is None:
             counts = self._buckets[name] = [0] * _BUCKETS
         counts[int(_log(dur_ns + 1) * _INV_LOG_GAMMA)] += 1
+
+    def count(self, ended: deque[Any]) -> None:
+        """Count and remove every span in ``ended`` (objects with ``_name``, ``_start_time``, ``_end_time``)."""
+        buckets, log, inv = self._buckets, _log, _INV_LOG_GAMMA
+        pop, last, counts = ended.popleft, None, None
+        for _ in range(len(ended)):
+            span = pop()
+            if span._name is not last:
+                last = span._name
+                counts = buckets.get(last)
+                if counts is None:
+                    counts = buckets[last] = [0] * _BUCKETS
+            counts[int(log(span._end_time - span._start_time + 1) * inv)] += 1  # type: ignore[index]
 
     def quantile(self, name: str, q: float) -> tuple[int, float | None]:
         """(count, the ``q`` quantile in seconds, or None without durations) of ``name`` so far."""
@@ -134,10 +150,11 @@ class _Stall:
 class Watchdog:
     """The thread: ``start()`` at init, ``stop()`` at shutdown; :meth:`check` is one look (tests call it)."""
 
-    def __init__(self, sink: InstantSink, sketch: DurationSketch, *, heartbeat_s: float, stall_min_s: float,
-                 stall_factor: float) -> None:
+    def __init__(self, sink: InstantSink, *, heartbeat_s: float, stall_min_s: float, stall_factor: float) -> None:
         self._sink = sink
-        self._sketch = sketch
+        self.sketch = DurationSketch()
+        # Spans that ended, appended by the hot path (one C call), counted at each look.
+        self.ended: deque[Any] = deque(maxlen=MAX_QUEUED_SPANS)
         self._heartbeat_s = heartbeat_s
         self._stall_min_s = stall_min_s
         self._stall_factor = stall_factor
@@ -172,6 +189,7 @@ class Watchdog:
 
     def check(self) -> None:
         """One look: stall records for spans past their threshold, then a heartbeat if the process is quiet."""
+        self.sketch.count(self.ended)
         open_spans = self._sink.open_spans()
         self._check_stalls(open_spans, time.time_ns())
         self._check_quiet(open_spans, time.monotonic())
@@ -203,7 +221,7 @@ class Watchdog:
                 continue  # below any threshold: no quantile needed
             stall = self._stalls.get(span_id)
             if stall is None:
-                count, p99 = self._sketch.quantile(name, 0.99)
+                count, p99 = self.sketch.quantile(name, 0.99)
                 threshold = stall_threshold(count, p99, self._stall_min_s, self._stall_factor)
                 stall = self._stalls[span_id] = _Stall(threshold)
             if stall.written >= MAX_STALLS_PER_SPAN or open_s < stall.threshold_s * (2 ** stall.written):

@@ -116,7 +116,7 @@ class FakeSink:
 
 def test_a_stall_is_written_again_at_each_doubling_and_at_most_six_times() -> None:
     sink = FakeSink()
-    dog = Watchdog(sink, DurationSketch(), heartbeat_s=0, stall_min_s=1.0, stall_factor=1.0)
+    dog = Watchdog(sink, heartbeat_s=0, stall_min_s=1.0, stall_factor=1.0)
     written = []
     for open_s in (0.5, 1.0, 1.5, 2.0, 3.9, 4.0, 8.0, 16.0, 32.0, 64.0, 1000.0):
         sink.spans = [(42, "backward", time.time_ns() - int(open_s * 1e9), 1)]

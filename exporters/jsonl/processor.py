@@ -7,6 +7,7 @@ point is that a hung or killed rank's open spans are already on disk.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from time import time_ns
 from typing import Any, Callable, Iterable, Mapping
 
@@ -56,8 +57,9 @@ class JsonlSpanProcessor(SpanProcessor):
         self._lock = threading.RLock()
         self._seq = 0
         self._open: dict[int, OpenEntry] = {}
-        # Set by the watchdog (otel_train.watchdog): told each ended span's name and duration in ns.
-        self.on_duration: Callable[[str, int], None] | None = None
+        # Set by the watchdog (otel_train.watchdog): each span that ends is appended here, one C call on
+        # the hot path; the watchdog's thread drains it into its per-name duration sketch.
+        self.ended: deque[Any] | None = None
         self._sealed = False  # shutdown has ended the open spans: no new span is written
         self._closed = False  # the last record is written: nothing more is
         self.unencodable = 0  # records that could not be made at all (they have no seq)
@@ -107,9 +109,9 @@ class JsonlSpanProcessor(SpanProcessor):
                     line = self._encoder.span_end(span, entry[1], seq)
                     self._seq = seq
                     self._write(line)
-            on_duration = self.on_duration
-            if on_duration is not None and entry is not None:
-                on_duration(span._name, span._end_time - span._start_time)
+            ended = self.ended
+            if ended is not None and entry is not None:
+                ended.append(span)
         except Exception as exc:
             self._fault("a span end", exc)
 
