@@ -30,6 +30,8 @@ pytest.importorskip("torch.distributed")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 SLOW_RANK, SLOW_MS = 1, 30.0
+MAX_LOAD_PER_CPU = 2.0
+"""Above this load (1-minute average per CPU, before the runs start) clean runs meet different machines."""
 STEADY = ("--hidden", "128", "--batch-size", "32", "--steps", "40", "--eval-every", "0", "--checkpoint-every", "0",
           "--gpu-wait-ms", "50")
 SMALL = ("--hidden", "128", "--batch-size", "32", "--steps", "60", "--eval-every", "0", "--checkpoint-every", "0")
@@ -53,6 +55,7 @@ def finished(proc: subprocess.Popen[str], ok: bool = True) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("answers")
     paths = {name: root / name for name in ("clean", "clean_2", "straggler", "busy_a", "busy_b")}
+    (root / "load").write_text(str(os.getloadavg()[0] / (os.cpu_count() or 1)))  # before our runs add theirs
     # Side by side, so that whatever else loads the machine loads alike the runs that are compared.
     side_by_side = [torchrun(paths["clean"], *STEADY), torchrun(paths["clean_2"], *STEADY),
                     torchrun(paths["straggler"], *STEADY, "--slow-rank", str(SLOW_RANK), "--slow-ms", str(SLOW_MS))]
@@ -105,6 +108,12 @@ def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
 
 
 def test_clean_against_clean_raises_nothing(runs: dict[str, Path]) -> None:
+    load = float((runs["clean"].parent / "load").read_text())
+    if load > MAX_LOAD_PER_CPU:
+        # Seen here: with other jobs keeping 10 runnable processes on 2 CPUs, two clean runs side by
+        # side differed by 2 ms (50 %) in backward's all-reduce, p < 0.001: a real difference diff is
+        # right to report, not noise. The premise "both runs met the same machine" does not hold.
+        pytest.skip(f"machine already loaded by others ({load:.1f} runnable per CPU): clean runs differ for real")
     out = diff_runs(load_run(runs["clean"]), load_run(runs["clean_2"]))
     assert out["findings"] == [], out["findings"]
 
