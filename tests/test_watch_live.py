@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -94,7 +95,7 @@ class FakeHost:
     def is_local(self, host: str | None, pid: int | None) -> bool:
         return bool(pid) and host == self.host
 
-    def alive(self, pid: int) -> bool:
+    def alive(self, pid: int, since: float | None = None) -> bool:
         return pid not in self.dead
 
     def dump(self, pid: int, first_tid: int | None = None) -> None:
@@ -352,3 +353,22 @@ def test_the_straggler_rule_runs_beside_reading_and_its_answer_comes_later(tmp_p
         time.sleep(0.05)
     live.close()
     assert {(f["rank"], f["phase"]) for f in found} >= {(1, "data_fetch")}
+
+
+def test_host_probe_tells_live_zombie_gone_and_reused_pids() -> None:
+    import subprocess
+    import sys
+
+    from otel_train.analysis.live import HostProbe
+
+    probe = HostProbe()
+    me = os.getpid()
+    assert probe.alive(me) and probe.alive(me, since=time.time())
+    assert not probe.alive(me, since=time.time() - 10 * 365 * 86400)  # this pid's process began later: reused
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while probe.alive(child.pid) and time.monotonic() < deadline:  # exited, not yet reaped: a zombie
+        time.sleep(0.05)
+    assert not probe.alive(child.pid)
+    child.wait()
+    assert not probe.alive(child.pid)

@@ -70,6 +70,7 @@ said one may come (torchrun's ``TORCHELASTIC_MAX_RESTARTS`` above ``TORCHELASTIC
 STALL_RECORD_GRACE_S = 2.0
 """How long past a span's threshold to wait for its watchdog's ``stall`` record (it looks every second)."""
 PY_SPY_TIMEOUT_S = 10.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 _OK_END = (schema.STATUS_OK, None)
 
@@ -116,19 +117,24 @@ class HostProbe:
         self.host = host if host is not None else socket.gethostname()
         beside = Path(sys.executable).with_name("py-spy")  # a venv's bin/ need not be on PATH
         self.py_spy = shutil.which("py-spy") or (str(beside) if beside.is_file() else None)
+        self._boot = _boot_time()
 
     def is_local(self, host: str | None, pid: int | None) -> bool:
         """Whether the process ``pid`` on ``host`` can be probed from here."""
         return bool(pid) and host == self.host
 
-    def alive(self, pid: int) -> bool:
-        """Whether ``pid`` exists and is not a zombie."""
+    def alive(self, pid: int, since: float | None = None) -> bool:
+        """Whether ``pid`` exists, is not a zombie and, when ``since`` (Unix time) is given, had started
+        by then (a later start is another process that reused the pid)."""
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+                fields = f.read().rsplit(b")", 1)[-1].split()
+            if fields[0] == b"Z":
+                return False
+            return since is None or self._boot is None or self._boot + int(fields[19]) / _CLK_TCK <= since + 1.0
         except FileNotFoundError:
             return False
-        except OSError:
+        except (OSError, IndexError, ValueError):
             pass
         try:
             os.kill(pid, 0)
@@ -156,6 +162,15 @@ class HostProbe:
         return sorted(stacks, key=lambda s: (s["tid"] != first_tid, not s.get("owns_gil")))
 
 
+def _boot_time() -> float | None:
+    """Unix time this host booted (``btime`` in /proc/stat): process start times count from it."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            return float(next(line.split()[1] for line in f if line.startswith(b"btime ")))
+    except (OSError, StopIteration, IndexError, ValueError):
+        return None
+
+
 def _spy_stack(thread: dict[str, Any]) -> dict[str, Any]:
     frames = [f for f in thread.get("frames") or [] if isinstance(f, dict)]
     return {
@@ -169,7 +184,8 @@ def _spy_stack(thread: dict[str, Any]) -> dict[str, Any]:
 class LiveProcess:
     """One process instance being followed: its span-model state and what only a live reader knows."""
 
-    __slots__ = ("state", "thresholds", "restarts_left", "progress_ts", "local", "dead", "silent", "gone_at")
+    __slots__ = ("state", "thresholds", "restarts_left", "progress_ts", "local", "dead", "silent", "gone_at",
+                 "_limits")
 
     def __init__(self, state: ProcessState, local: bool) -> None:
         self.state = state
@@ -180,6 +196,7 @@ class LiveProcess:
         self.dead = False
         self.silent = False
         self.gone_at: float | None = None  # when it ended or died (watch's clock)
+        self._limits: dict[str, tuple[int, float]] = {}  # name -> (durations seen, threshold)
 
     @property
     def finished(self) -> bool:
@@ -230,9 +247,15 @@ class LiveProcess:
         return self.thresholds.watchdog and not self.silent and not self.finished
 
     def _threshold(self, name: str) -> float:
+        # Asked every poll while a span is long: worked out again only when the name has new durations.
         series = self.state.phases.get(name)
-        count, p99 = _p99_s(series.durs if series is not None else ())
-        return stall_threshold(count, p99, self.thresholds.stall_min_s, self.thresholds.stall_factor)
+        seen = len(series.durs) if series is not None else 0
+        cached = self._limits.get(name)
+        if cached is None or cached[0] != seen:
+            count, p99 = _p99_s(series.durs if series is not None else ())
+            cached = self._limits[name] = (seen, stall_threshold(count, p99, self.thresholds.stall_min_s,
+                                                                 self.thresholds.stall_factor))
+        return cached[1]
 
     def open_for(self, now: float) -> float | None:
         """Seconds its innermost open span has been open."""
@@ -312,6 +335,7 @@ class LiveRun:
         self._pfs: dict[tuple[str, int, str], ProcessFiles] = {}
         self._heads: dict[tuple[str, int, str], Head | None] = {}
         self._hung: set[tuple[str, int]] = set()
+        self._run_limits: dict[tuple[str, int], tuple[int, float]] = {}
         self._dirty = False
         self._next_stragglers: dict[tuple[str, int], float] = {}
         self._straggled_final: set[tuple[str, int]] = set()
@@ -360,7 +384,7 @@ class LiveRun:
             state, th = lp.state, lp.thresholds
             quiet = now - (state.last_ts or now)
             if lp.local:
-                lp.dead = not self.probe.alive(state.pid)  # type: ignore[arg-type]
+                lp.dead = not self.probe.alive(state.pid, state.first_ts)  # type: ignore[arg-type]
                 lp.silent = not lp.dead and quiet >= th.silence_s
             elif th.watchdog and th.heartbeat_s > 0:
                 lp.dead = quiet >= th.silence_s
@@ -386,11 +410,20 @@ class LiveRun:
         quiet = now - progress
         if quiet < th.stall_min_s:
             return False
-        steps = [lp.state.phases[STEP].durs for lp in group if STEP in lp.state.phases]
-        count, p99 = _p99_s(np.concatenate(steps) if steps else ())
-        if quiet < stall_threshold(count, p99, th.stall_min_s, th.stall_factor):
+        if quiet < self._run_threshold(group, th):
             return False
         return any(lp.stalled(now) for lp in live)
+
+    def _run_threshold(self, group: list[LiveProcess], th: Thresholds) -> float:
+        """max(stall_min_s, stall_factor × the group's p99 step time so far), worked out again only when
+        the group has new step durations."""
+        steps = [lp.state.phases[STEP].durs for lp in group if STEP in lp.state.phases]
+        key, seen = (group[0].state.source, group[0].state.attempt), sum(len(d) for d in steps)
+        cached = self._run_limits.get(key)
+        if cached is None or cached[0] != seen:
+            count, p99 = _p99_s(np.concatenate(steps) if steps else ())
+            cached = self._run_limits[key] = (seen, stall_threshold(count, p99, th.stall_min_s, th.stall_factor))
+        return cached[1]
 
     def _evaluate(self, now: float) -> list[Event]:
         groups = self.groups()
