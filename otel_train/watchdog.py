@@ -39,8 +39,9 @@ MAX_FRAMES = 64
 """Innermost frames kept per thread in a stall record."""
 MAX_TICK_S = 1.0
 """The thread looks at least this often (more often when heartbeat_s or stall_min_s is short)."""
-MAX_QUEUED_SPANS = 1 << 17
-"""Ended spans waiting for the next look; beyond, the oldest are dropped (the sketch is a sample then)."""
+MAX_QUEUED_SPANS = 8192
+"""Ended spans kept for the next look; beyond, the oldest are dropped: above ~8,000 spans a second the
+sketch counts a sample, which bounds what counting costs the process (it holds the GIL) per look."""
 
 _GAMMA = 1.02
 _INV_LOG_GAMMA = 1.0 / math.log(_GAMMA)
