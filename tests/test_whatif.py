@@ -10,7 +10,7 @@ from sync_sim import Times, base, simulate
 
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.whatif import UNTRACED, whatif
-from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER, STEP
+from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER
 
 def run_of(tmp_path: Path, times: Times, world: int = 4, steps: int = 21, **proc: object) -> dict:
     procs = [Proc(rank=r, world_size=world, **proc) for r in range(world)]  # type: ignore[arg-type]
