@@ -208,3 +208,26 @@ def test_spans_from_many_threads_while_the_watchdog_looks_cause_no_fault(tmp_pat
     records = _records(tmp_path)
     starts = sum(r["kind"] == schema.SPAN_START for r in records)
     assert starts == sum(r["kind"] == schema.SPAN_END for r in records) > 1000
+
+
+def test_a_write_blocked_elsewhere_holds_the_watchdog_up_for_at_most_a_second(tmp_path: Path) -> None:
+    from otel_train import runtime
+
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0.2, stall_min_s=60)
+    jsonl = runtime._active.jsonl  # type: ignore[union-attr]
+    held = threading.Event()
+
+    def blocked_write() -> None:  # a training thread stuck in write(2) on a hung mount, lock in hand
+        with jsonl._lock:
+            held.set()
+            time.sleep(2.6)
+
+    holder = threading.Thread(target=blocked_write)
+    holder.start()
+    held.wait()
+    holder.join()
+    time.sleep(0.5)
+    ot.shutdown()
+    skipped = sum(n for key, n in _report.counts().items() if "heartbeat" in key and "TimeoutError" in key)
+    assert skipped >= 2  # it gave up after a second, twice, instead of waiting the whole 2.6 s
+    assert _named(_records(tmp_path), schema.INSTANT_HEARTBEAT)  # and wrote again once the file was free

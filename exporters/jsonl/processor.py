@@ -29,6 +29,9 @@ current_state = step_context.current
 RecordHandler = Callable[[dict], None]
 OpenEntry = tuple[Span, str, StepState, int]
 """An open span: the span, its encoded body, the step context and native thread id it started with."""
+RUNTIME_LOCK_WAIT_S = 1.0
+"""The watchdog's records wait at most this long for a write in progress (one blocked on a hung disk
+must not stop the watchdog too); such a record is skipped, counted and reported once."""
 
 
 class JsonlSpanProcessor(SpanProcessor):
@@ -146,7 +149,8 @@ class JsonlSpanProcessor(SpanProcessor):
                 ids, state, tid = entry[0]._context, entry[2], entry[3]
             else:
                 ids, state, tid = INVALID_SPAN_CONTEXT, current_state(), get_native_id()
-            self._emit_point(self._encoder.instant, ids, state, tid, "", {"name": name, "attrs": attrs})
+            self._emit_point(self._encoder.instant, ids, state, tid, "", {"name": name, "attrs": attrs},
+                             wait_s=RUNTIME_LOCK_WAIT_S)
         except Exception as exc:
             self._fault(f"a {name}", exc)
 
@@ -166,14 +170,19 @@ class JsonlSpanProcessor(SpanProcessor):
             self._fault(what, exc)
 
     def _emit_point(self, encode: Callable[..., bytes], ids: Any, state: StepState, tid: int, caller: str,
-                    payload: Mapping[str, Any]) -> None:
-        with self._lock:
+                    payload: Mapping[str, Any], wait_s: float = -1) -> None:
+        # wait_s >= 0: give up (TimeoutError) rather than wait longer for a write in progress.
+        if not self._lock.acquire(timeout=wait_s):
+            raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
+        try:
             if self._closed:
                 return
             seq = self._seq + 1
             line = encode(ts_ns=time_ns(), ids=ids, state=state, tid=tid, seq=seq, caller=caller, **payload)
             self._seq = seq
             self._write(line)
+        finally:
+            self._lock.release()
 
     def _on_loss(self, lost_records: int, lost_bytes: int, reason: str) -> None:
         # The writer found its file gone and made a new one: say so in the new file at once, so a
