@@ -423,13 +423,13 @@ def _quietly(fn: Any, *args: Any) -> None:
 
 def _install_process_hooks() -> None:
     global _process_hooks_installed
-    if _process_hooks_installed:
-        return
-    _process_hooks_installed = True
-    atexit.register(shutdown)
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-    if threading.current_thread() is threading.main_thread():
-        _chain_sigterm()
+    if not _process_hooks_installed:
+        _process_hooks_installed = True  # atexit and fork hooks are inherited by fork children
+        atexit.register(shutdown)
+        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                            after_in_child=_after_fork_in_child)
+    if _sigterm_previous is _NOT_CHAINED and threading.current_thread() is threading.main_thread():
+        _chain_sigterm()  # again in a fork child that calls init: the child dropped ours
 
 
 def _shutdown_at_multiprocessing_exit() -> None:
@@ -443,6 +443,7 @@ def _shutdown_at_multiprocessing_exit() -> None:
 
 
 def _chain_sigterm() -> None:
+    global _sigterm_previous
     previous = signal.getsignal(signal.SIGTERM)
     deferred = 0
 
@@ -467,8 +468,44 @@ def _chain_sigterm() -> None:
 
     try:
         signal.signal(signal.SIGTERM, on_sigterm)
+        _sigterm_previous = previous
     except (ValueError, OSError):  # not the main thread of the main interpreter
         pass
+
+
+# A SIGTERM that reaches a fork child before CPython's own after-fork code runs is lost: that code
+# clears the flags its C-level handler set, so a Python handler never runs and the child lives on
+# (a multiprocessing.Pool worker terminated right after its fork then blocks its pool's join
+# forever). So the forking thread blocks SIGTERM around fork(); the child puts back the handler that
+# was there before ours (it traces nothing until it calls init) and only then unblocks, so a SIGTERM
+# that arrived meanwhile acts as it would have without otel-train.
+_NOT_CHAINED: Any = object()
+_sigterm_previous: Any = _NOT_CHAINED
+_fork_mask = threading.local()
+
+
+def _before_fork() -> None:
+    if _sigterm_previous is not _NOT_CHAINED:
+        _fork_mask.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+
+def _after_fork_in_parent() -> None:
+    old = getattr(_fork_mask, "old", None)
+    if old is not None:
+        _fork_mask.old = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _restore_sigterm_in_child() -> None:
+    global _sigterm_previous
+    if _sigterm_previous is not _NOT_CHAINED:
+        try:
+            signal.signal(signal.SIGTERM, _sigterm_previous)
+        except (ValueError, OSError, TypeError):  # a previous handler installed from C: leave ours
+            pass
+        else:
+            _sigterm_previous = _NOT_CHAINED
+    _after_fork_in_parent()  # the same mask restore, now in the child
 
 
 def _mid_record() -> bool:
@@ -486,5 +523,6 @@ def _after_fork_in_child() -> None:
     global _active
     _active = None
     api._tracing = None
+    _restore_sigterm_in_child()
     step_context.step_listeners.clear()
     step_context.reset()

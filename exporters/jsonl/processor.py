@@ -220,14 +220,17 @@ class JsonlSpanProcessor(SpanProcessor):
                 entry = self._open.pop(span_id, None)
                 if entry is not None:
                     # Its end() did not reach on_end: it was already ending when shutdown came (on
-                    # this thread, interrupted by a signal), or end() failed. Write the end ourselves.
+                    # another thread, or on this one, interrupted by a signal), or end() failed.
+                    # Write the end ourselves: as it ended, if it has an end time, else incomplete.
                     try:
-                        self._end_record(span, entry, incomplete=True)
+                        self._end_record(span, entry, incomplete=span._end_time is None)
                     except Exception as exc:
                         self._fault("a span end", exc)
         return len(entries)
 
     def _end_incomplete(self, span: Any) -> None:
+        if span._end_time is not None:
+            return  # ending on another thread right now, its on_end waiting for our lock: see above
         # An SDK span takes its own (non-reentrant) lock in set_attribute and end(): if this thread
         # was interrupted inside it, taking it again would deadlock, so such a span is left to the
         # fallback above. Other threads release it within microseconds.

@@ -6,10 +6,12 @@ a descriptor closed underneath, a deleted directory) never reach the training co
 counted, reported once per errno (``otel_train._report``), and the writer keeps trying on later records.
 
 A file deleted underneath (a cleanup job removing the run directory) would swallow every later
-record into an unlinked inode. So at most once a second, and before every rotation, the writer
-checks the open file's link count: a deleted file is reported once, what was written to it is
-counted as lost, and a new file is made at the same path (its directory too, one level, when the
-directory's parent still exists: a whole deleted run is not resurrected).
+record into an unlinked inode. So about once a second, and before every rotation, the writer checks
+the open file's link count: a deleted file is reported once, what was written to it (and to rotated
+segments gone with it) is counted as lost, and a new file is made at the same path (its directory
+too, one level, when the directory's parent still exists: a whole deleted run is not resurrected).
+The once-a-second cadence costs the hot path nothing: one daemon thread per process (``_Ticker``)
+lowers each open writer's limit, so the next write takes the slow path that checks.
 
 Not thread-safe by design: the JSONL span processor serializes calls under its own lock.
 """
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import errno
 import os
-from time import monotonic
+import threading
+import time
+import weakref
 from typing import Callable
 
 from otel_train import _report
@@ -27,10 +31,54 @@ __all__ = ["RotatingFileWriter"]
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
 CHECK_INTERVAL_S = 1.0
-"""How often (at most) a write checks that the file is still linked."""
-_MAX_STEP = 1 << 20
+"""How often a writer that is writing checks that its file is still linked."""
 _CLOSED = "closed"
 _LOST = "lost"
+
+
+class _Ticker:
+    """One daemon thread per process: every ``CHECK_INTERVAL_S`` it sets each open writer's limit to -1,
+    so that writer's next write takes the slow path, which checks the file. It ends when no writer is
+    left and starts again with the next one."""
+
+    def __init__(self) -> None:
+        self._writers: weakref.WeakSet[RotatingFileWriter] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, writer: RotatingFileWriter) -> None:
+        with self._lock:
+            self._writers.add(writer)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="otel_train.file_check", daemon=True)
+                self._thread.start()
+
+    def remove(self, writer: RotatingFileWriter) -> None:
+        with self._lock:
+            self._writers.discard(writer)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(CHECK_INTERVAL_S)
+            with self._lock:
+                writers = list(self._writers)
+                if not writers:
+                    self._thread = None
+                    return
+            for writer in writers:
+                writer._limit = -1  # one int store: atomic under the GIL; the writer recomputes it
+
+
+_ticker = _Ticker()
+
+
+def _new_ticker_in_child() -> None:
+    # A fork child has none of its parent's threads, and the lock may have been held at fork time.
+    global _ticker
+    _ticker = _Ticker()
+
+
+os.register_at_fork(after_in_child=_new_ticker_in_child)
 
 
 class RotatingFileWriter:
@@ -48,18 +96,18 @@ class RotatingFileWriter:
         "_fsync",
         "_file_mode",
         "_shifts",
+        "_segment_lines",
         "_fd",
         "_size",
         "_lines",
         "_torn",
         "_limit",
-        "_step",
-        "_checked_at",
         "_pending_loss",
         "on_loss",
         "dropped_records",
         "lost_records",
         "lost_bytes",
+        "__weakref__",
         "_closed",
         "_errors",
         "_dropped_bytes",
@@ -86,6 +134,7 @@ class RotatingFileWriter:
         # Oldest first, so each rename frees the name the next one moves into.
         names = [self._path] + [f"{self._path}.{i}" for i in range(1, backup_count + 1)]
         self._shifts = [(names[i - 1], names[i]) for i in range(backup_count, 0, -1)]
+        self._segment_lines = [0] * backup_count  # records in path.1 … path.N, for counting losses
         self._fd = -1
         self._size = 0
         self._lines = 0  # records written to the open file
@@ -93,9 +142,7 @@ class RotatingFileWriter:
         self._closed = False
         self._errors = 0
         self._dropped_bytes = 0
-        self._limit = -1  # past it, write() takes the slow path (_prepare); -1: no open file
-        self._step = 0
-        self._checked_at = monotonic()
+        self._limit = -1  # past it, write() takes the slow path (_prepare); -1: no open file or a check is due
         self._pending_loss: tuple[int, int] | None = None
         self.on_loss: Callable[[int, int, str], None] | None = None
         """Called after the first record that reached a new file made because the old one was deleted:
@@ -105,6 +152,7 @@ class RotatingFileWriter:
         self.lost_records = 0
         self.lost_bytes = 0
         self._open()  # OSError here is the caller's to turn into a configuration error
+        _ticker.add(self)
 
     @property
     def path(self) -> str:
@@ -147,6 +195,7 @@ class RotatingFileWriter:
         """Close the file; idempotent. Later writes return False."""
         self._closed = True
         self._discard_fd()
+        _ticker.remove(self)
 
     def _prepare(self, n: int) -> bool | str:
         """Make the file ready for an ``n``-byte line; True, or why not (``_CLOSED``, ``_LOST``)."""
@@ -154,13 +203,8 @@ class RotatingFileWriter:
             if self._closed:
                 return _CLOSED
             self._reopen()
-        elif monotonic() - self._checked_at >= CHECK_INTERVAL_S:
-            # Checked once a second at most: the byte step to the next check adapts to the write rate,
-            # so a fast writer reads the clock every ~1 MiB and a slow one on every record.
-            self._step = self._step // 2
-            self._check_linked()
         else:
-            self._step = min(max(2 * self._step, 4096), _MAX_STEP)
+            self._check_linked()  # the ticker's once a second, or a rotation is due
         if self._torn:
             # A fragment from an earlier short write (or an earlier process) has no newline: end it,
             # so this record starts on a line of its own.
@@ -168,7 +212,7 @@ class RotatingFileWriter:
             self._torn = False
         if self._size and self._size + n > self._max_bytes:
             self._rotate()
-        self._limit = min(self._max_bytes, self._size + self._step)
+        self._limit = self._max_bytes
         return _LOST if self._pending_loss is not None else True
 
     def _unprepared(self, why: bool | str, line: bytes) -> bool:
@@ -197,7 +241,7 @@ class RotatingFileWriter:
         self._size = size
         self._lines = 0
         self._torn = size > 0 and not self._ends_with_newline(size)
-        self._limit = -1 if self._torn else min(self._max_bytes, size + self._step)
+        self._limit = -1 if self._torn else self._max_bytes
 
     def _reopen(self) -> None:
         directory = os.path.dirname(self._path) or "."
@@ -210,10 +254,13 @@ class RotatingFileWriter:
 
     def _check_linked(self) -> None:
         """If the open file was deleted, count what it held as lost and start a new one."""
-        self._checked_at = monotonic()
         if os.fstat(self._fd).st_nlink:
             return
         lines, size = self._lines, self._size
+        for i, (_, segment) in enumerate(reversed(self._shifts)):
+            if self._segment_lines[i] and not os.path.exists(segment):  # rotated segments gone too
+                lines += self._segment_lines[i]
+                self._segment_lines[i] = 0
         self._discard_fd()
         self.lost_records += lines
         self.lost_bytes += size
@@ -221,8 +268,9 @@ class RotatingFileWriter:
         pending = self._pending_loss or (0, 0)
         self._pending_loss = (pending[0] + lines, pending[1] + size)
         _report.report(f"file deleted {self._path}",
-                       f"{self._path} was deleted (or its directory) while in use: {lines} record(s), {size} "
-                       "bytes written to it are lost; writing goes on in a new file at the same path")
+                       f"{self._path} was deleted (or its directory) while in use: {lines} record(s) written to "
+                       "it and to rotated segments gone with it are lost; writing goes on in a new file at the "
+                       "same path")
         self._reopen()
 
     def _ends_with_newline(self, size: int) -> bool:
@@ -240,15 +288,13 @@ class RotatingFileWriter:
             os.close(fd)
 
     def _rotate(self) -> None:
-        self._check_linked()  # rotating a deleted file would lose its records without a count
-        if self._size == 0:
-            return  # it was deleted: the new file is empty
         if not self._backup_count:
             os.ftruncate(self._fd, 0)
             self._size = 0
             self._lines = 0
             self._torn = False
         else:
+            self._segment_lines = [self._lines, *self._segment_lines[:-1]]
             self._discard_fd()
             for src, dst in self._shifts:
                 try:

@@ -1,0 +1,66 @@
+"""Run the fault suite with more trials and write its results into README.md's Reliability table.
+
+``python tests/faults/report.py [--trials N] [--examples N] [--no-readme]`` (``make faults``): runs
+``pytest tests/faults`` with ``FAULT_TRIALS`` / ``FUZZ_EXAMPLES`` raised, collects the row each test
+reports (fault, trials, what must hold, pass or fail), and replaces the table between the
+``reliability`` markers in README.md. Exits with pytest's status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+BEGIN, END = "<!-- reliability:begin -->", "<!-- reliability:end -->"
+
+
+def run_suite(trials: int, examples: int, report: Path) -> int:
+    env = dict(os.environ, FAULT_TRIALS=str(trials), FUZZ_EXAMPLES=str(examples), FAULT_REPORT=str(report))
+    return subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "timeout=3000",
+                            str(ROOT / "tests" / "faults")], cwd=ROOT, env=env)
+
+
+def table(rows: list[dict], when: str) -> str:
+    lines = ["| fault | trials | what must hold | last run |", "|---|---:|---|---|"]
+    for row in sorted(rows, key=lambda r: r["fault"]):
+        result = f"{'pass' if row['ok'] else '**FAIL**'} ({when}, {row['seconds']:.0f} s)"
+        lines.append(f"| {row['fault']} | {row['trials']} | {row['holds']} | {result} |")
+    return "\n".join(lines)
+
+
+def write_readme(text: str) -> None:
+    readme = README.read_text(encoding="utf-8")
+    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    README.write_text(readme[:start] + "\n" + text + "\n" + readme[end:], encoding="utf-8")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--trials", type=int, default=100, help="trials per randomized fault (FAULT_TRIALS)")
+    parser.add_argument("--examples", type=int, default=5000, help="hypothesis cases per property (FUZZ_EXAMPLES)")
+    parser.add_argument("--no-readme", action="store_true", help="print the table instead of updating README.md")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "rows.jsonl"
+        status = run_suite(args.trials, args.examples, report)
+        rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    when = datetime.date.today().isoformat()
+    text = table(rows, when)
+    if args.no_readme:
+        print(text)
+    else:
+        write_readme(text)
+        print(f"{len(rows)} rows written to {README.relative_to(ROOT)} (pytest exit status {status})")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
