@@ -10,8 +10,8 @@ Parts (``--parts``, default all):
   vs the measured (straggler / clean) ratio; ``--gpu-wait-ms 50`` steps (most of the step waits
   without CPU, as on a GPU) side by side and one after the other, and CPU-bound steps;
 * ``stragglers``: clean 2-rank runs beside a busy-loop process, counting straggler findings;
-* ``diff``: 200-step runs, clean vs rank 1's forward 10 % slower (detections), and clean vs clean
-  (false findings).
+* ``diff``: 200-step runs side by side, clean vs rank 1's forward 10 % slower (detections), and
+  clean vs clean (false findings).
 
     .venv/bin/python benchmarks/run_answers.py [--parts timing,whatif,stragglers,diff] [--runs 20]
 """
@@ -129,10 +129,13 @@ def diff_detection(root: Path, trials: int) -> None:
     base = (*STEADY, "--steps", "200")
     hits = misses = false = 0
     for i in range(trials):
-        a = load_run(run(root / f"diff-a-{i}", *base))
-        b = load_run(run(root / f"diff-b-{i}", *base))
-        slow = load_run(run(root / f"diff-s-{i}", *base, "--slow-rank", "1", "--slow-phase", "forward",
-                            "--slow-ms", "5"))
+        paths = root / f"diff-a-{i}", root / f"diff-b-{i}", root / f"diff-s-{i}"
+        # Side by side: whatever else loads the machine loads the three alike.
+        procs = [torchrun(paths[0], *base), torchrun(paths[1], *base),
+                 torchrun(paths[2], *base, "--slow-rank", "1", "--slow-phase", "forward", "--slow-ms", "5")]
+        if any(p.wait() != 0 for p in procs):
+            raise SystemExit(f"torchrun failed: {paths}")
+        a, b, slow = (load_run(p) for p in paths)
         found = [(f["kind"], f["rank"], f["phase"]) for f in diff_runs(a, slow)["findings"]]
         if ("regression", 1, "forward") in found:
             hits += 1

@@ -12,10 +12,11 @@ from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER, STEP
 Times = Callable[[int, int], dict[str, float]]
 
 
-def simulate(procs: list[Proc], steps: int, times: Times) -> None:
-    """Data-parallel steps: data_fetch, forward, then backward ends for everyone ``tail`` ms after the
-    last rank arrives, then optimizer. ``times(rank, step)`` gives each rank's ms per phase and tail."""
-    for s in range(steps):
+def simulate(procs: list[Proc], steps: int | range, times: Times) -> None:
+    """Data-parallel steps (``steps``: a count from 0, or the step numbers): data_fetch, forward, then
+    backward ends for everyone ``tail`` ms after the last rank arrives, then optimizer.
+    ``times(rank, step)`` gives each rank's ms per phase and tail."""
+    for s in range(steps) if isinstance(steps, int) else steps:
         t = {p.rank: times(p.rank, s) for p in procs}
         for p in procs:
             p.set_step(s)
