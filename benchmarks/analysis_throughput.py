@@ -10,7 +10,8 @@ The export rows time Chrome JSON and Perfetto protobuf beside the DuckDB query o
 
 DuckDB is imported before anything is timed; with ``--repeat`` each round runs every row in the same
 order and each row shows the median (range) of its seconds and of its ratio to the same round's
-DuckDB query.
+DuckDB query. CPU seconds (all threads, pool workers included) are less sensitive than wall time to
+other work on a shared machine; their ratio to DuckDB's compares the work done.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
 import subprocess
@@ -94,15 +96,23 @@ def _write_rank(logs: Path, rank: int, world: int, steps: int) -> None:
         line(schema.INSTANT, schema.INSTANT_PROCESS_END, "0" * 16, None, steps - 1, ',"attrs":{}')
 
 
-def timed(fn: Callable[[], object]) -> tuple[float, object]:
-    t0 = time.perf_counter()
+def cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and of its reaped children (pool workers) so far."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float, object]:
+    """Wall and CPU seconds of ``fn()``, and its result."""
+    t0, c0 = time.perf_counter(), cpu_seconds()
     out = fn()
-    return time.perf_counter() - t0, out
+    return time.perf_counter() - t0, cpu_seconds() - c0, out
 
 
-def cli(*args: str) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of an otel-train command: the process tree's sum, sampled every
-    20 ms, or the largest single process (the kernel's exact figure for the child), whichever is more."""
+def cli(*args: str) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (with its pool workers) and peak RSS (MB) of an otel-train command: the
+    process tree's sum, sampled every 20 ms, or the largest single process (the kernel's exact figure
+    for the child), whichever is more."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([str(CLI), *args], stdout=subprocess.DEVNULL)
     ps = psutil.Process(proc.pid)
@@ -121,7 +131,7 @@ def cli(*args: str) -> tuple[float, float]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"otel-train {args[0]} failed with exit code {proc.returncode}")
-    return wall, max(peak / 2**20, usage.ru_maxrss / 1024)
+    return wall, usage.ru_utime + usage.ru_stime, max(peak / 2**20, usage.ru_maxrss / 1024)
 
 
 def duckdb_query(run: Path) -> object:
@@ -155,29 +165,29 @@ def export(run: Path, fmt: str, out: Path) -> object:
     return export_run(run, fmt, out)
 
 
-def measure(run: Path, cache: Path, skip: set[str]) -> list[tuple[str, float, str]]:
-    """One round: (what, seconds, note) of every row, the DuckDB query first."""
-    rows: list[tuple[str, float, str]] = []
-    t_duck, _ = timed(lambda: duckdb_query(run))
-    rows.append(("DuckDB read_json group-by quantiles", t_duck, ""))
-    t_sum, summary = timed(lambda: summarize(run, warn=print))
+def measure(run: Path, cache: Path, skip: set[str]) -> list[tuple[str, float, float, str]]:
+    """One round: (what, seconds, CPU seconds, note) of every row, the DuckDB query first."""
+    rows: list[tuple[str, float, float, str]] = []
+    t_duck, c_duck, _ = timed(lambda: duckdb_query(run))
+    rows.append(("DuckDB read_json group-by quantiles", t_duck, c_duck, ""))
+    t_sum, c_sum, summary = timed(lambda: summarize(run, warn=print))
     assert isinstance(summary, dict) and summary["malformed_lines"] == 0
-    rows.append(("summarize (in-process)", t_sum, f"{len(summary['phases'])} phases"))
-    t_cli, rss = cli("summarize", str(run), "--json")
-    rows.append(("`otel-train summarize --json` (subprocess)", t_cli, f"peak RSS {rss:.0f} MB"))
+    rows.append(("summarize (in-process)", t_sum, c_sum, f"{len(summary['phases'])} phases"))
+    t_cli, c_cli, rss = cli("summarize", str(run), "--json")
+    rows.append(("`otel-train summarize --json` (subprocess)", t_cli, c_cli, f"peak RSS {rss:.0f} MB"))
     if "export" not in skip:
         for fmt, label, suffix in (("chrome", "Chrome JSON", "json"), ("perfetto", "Perfetto protobuf", "pftrace")):
             out = cache / f"bench_trace.{suffix}"
-            t_exp, res = timed(lambda: export(run, fmt, out))
+            t_exp, c_exp, res = timed(lambda: export(run, fmt, out))
             slices = getattr(res, "slices", 0)
-            rows.append((f"export {label} (in-process)", t_exp,
+            rows.append((f"export {label} (in-process)", t_exp, c_exp,
                          f"{slices / t_exp:,.0f} slices/s, {out.stat().st_size / 2**20:.0f} MB"))
-            t_cli, rss = cli("export", str(run), "-f", fmt, "-o", str(out))
-            rows.append((f"`otel-train export -f {fmt}` (subprocess)", t_cli, f"peak RSS {rss:.0f} MB"))
+            t_cli, c_cli, rss = cli("export", str(run), "-f", fmt, "-o", str(out))
+            rows.append((f"`otel-train export -f {fmt}` (subprocess)", t_cli, c_cli, f"peak RSS {rss:.0f} MB"))
             out.unlink(missing_ok=True)
     if "json" not in skip:
-        t_json, n = timed(lambda: json_loop(run))
-        rows.append(("plain `json.loads` loop", t_json, f"{n:,} lines"))
+        t_json, c_json, n = timed(lambda: json_loop(run))
+        rows.append(("plain `json.loads` loop", t_json, c_json, f"{n:,} lines"))
     return rows
 
 
@@ -201,7 +211,7 @@ def main() -> None:
     steps = args.steps or (13_500 if args.big else 4000)
     skip = set(filter(None, args.skip.split(",")))
 
-    t_gen, run = timed(lambda: generate(args.cache, args.ranks, steps))
+    t_gen, _, run = timed(lambda: generate(args.cache, args.ranks, steps))
     assert isinstance(run, Path)
     size = sum(p.stat().st_size for p in (run / schema.STRUCTURED_LOGS_DIR).iterdir())
     mb = size / 2**20
@@ -210,13 +220,16 @@ def main() -> None:
     import duckdb  # noqa: F401 - imported before anything is timed: the import is not the query
 
     rounds = [measure(run, args.cache, skip) for _ in range(args.repeat)]
-    print(f"| what ({mb:.0f} MB, {args.ranks} ranks × {steps} steps) | seconds | MB/s | × DuckDB | note |")
-    print("|---|---:|---:|---:|---|")
-    for i, (what, _, note) in enumerate(rounds[-1]):
+    print(f"| what ({mb:.0f} MB, {args.ranks} ranks × {steps} steps) | seconds | CPU s | MB/s | × DuckDB | "
+          "× DuckDB (CPU) | note |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for i, (what, _, _, note) in enumerate(rounds[-1]):
         secs = [r[i][1] for r in rounds]
+        cpu = [r[i][2] for r in rounds]
         ratios = [r[i][1] / r[0][1] for r in rounds]  # against the same round's DuckDB query
-        print(f"| {what} | {_spread(secs, '.2f')} | {mb / statistics.median(secs):.0f} | "
-              f"{_spread(ratios, '.2f')} | {note} |")
+        cpu_ratios = [r[i][2] / r[0][2] for r in rounds]
+        print(f"| {what} | {_spread(secs, '.2f')} | {_spread(cpu, '.2f')} | {mb / statistics.median(secs):.0f} | "
+              f"{_spread(ratios, '.2f')} | {_spread(cpu_ratios, '.2f')} | {note} |")
 
 
 if __name__ == "__main__":

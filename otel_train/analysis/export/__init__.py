@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import os
 import shutil
+from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -173,19 +174,48 @@ def _pooled(
     steps: tuple[int, int] | None,
     workers: int,
 ) -> Iterator[tuple[Counts, str]]:
-    """Each process with records, in order, rendered by a worker: its counts and its part file."""
+    """Each process with records, in order: its counts and the part file it was rendered into, by a
+    pool of ``workers - 1`` processes and by this one (see :class:`_Schedule`)."""
     stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
     tasks: list[Task] = [(pf, attempt, index, origin_us, steps, fmt, f"{stem}{index}")
                          for index, (pf, attempt, _) in enumerate(order)]
     try:
-        with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
-            for size, (counts, malformed, warnings, part) in zip(sizes, pool.map(_render_task, tasks)):
+        with ProcessPoolExecutor(workers - 1, mp_context=pool_context()) as pool:
+            schedule = _Schedule(pool, tasks, 2 * (workers - 1))  # one running, one waiting per worker
+            for index, size in enumerate(sizes):
+                counts, malformed, warnings, part = schedule.result(index)
                 reader.absorb(malformed, warnings, size)
                 if part is not None:
                     yield counts, part
     finally:
         for task in tasks:
             Path(task[-1]).unlink(missing_ok=True)
+
+
+class _Schedule:
+    """Render tasks run by a pool and by this process, results taken in task order.
+
+    The pool gets tasks while fewer than ``depth`` of them are waiting or running (two per worker:
+    a worker never waits for this process); otherwise this process renders the next task itself. So
+    this process is never idle beside the pool, and no more than ``workers`` processes (this one
+    included) hold a laid-out process at a time: that bounds the memory of the whole process tree.
+    """
+
+    def __init__(self, pool: ProcessPoolExecutor, tasks: list[Task], depth: int) -> None:
+        self.pool, self.depth = pool, depth
+        self.todo = deque(tasks)
+        self.started: dict[int, Future | tuple] = {}
+
+    def result(self, index: int) -> tuple[Counts, int, list[str], str | None]:
+        """Task ``index``'s result: while it is not ready, keep the pool fed or render the next task here."""
+        while True:
+            started = self.started.get(index)
+            if isinstance(started, tuple) or (isinstance(started, Future) and started.done()) or not self.todo:
+                done = self.started.pop(index)
+                return done.result() if isinstance(done, Future) else done  # type: ignore[return-value]
+            task = self.todo.popleft()
+            queued = sum(isinstance(s, Future) and not s.done() for s in self.started.values())
+            self.started[task[2]] = self.pool.submit(_render_task, task) if queued < self.depth else _render_task(task)
 
 
 def _render_task(task: Task) -> tuple[Counts, int, list[str], str | None]:

@@ -82,7 +82,7 @@ _UUID_STRIDE = 1 << 24
 _COUNTER_UUID_BASE = 1 << 23
 _INT64_MAX = (1 << 63) - 1
 _CHUNK_ROWS = 4096
-EVENT_CHUNK = 16384
+EVENT_CHUNK = 8192
 """Events (and spans' annotations) encoded at a time: what a process needs beyond its layout stays bounded."""
 _CHUNK_BYTES = 4 << 20
 """Rows are written a chunk at a time; a chunk whose padded matrix would exceed this is halved."""
@@ -174,11 +174,6 @@ def blobs(items: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.frombuffer(b"".join(items), np.uint8), starts, lens
 
 
-def padded(data: np.ndarray, width: int) -> np.ndarray:
-    """``data`` and ``width`` zero bytes: every slice of up to ``width`` bytes then fits in the buffer."""
-    return np.concatenate([data, np.zeros(width, np.uint8)])
-
-
 class Rows:
     """One protobuf message per row, built part by part in field order (see the module doc)."""
 
@@ -209,8 +204,8 @@ class Rows:
     def ragged(self, data: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> None:
         """Row i gets ``data[starts[i]:starts[i] + lens[i]]``."""
         width = max(int(lens.max(initial=0)), 1)
-        if int(starts.max(initial=0)) + width > len(data):
-            data = padded(data, width)
+        if int(starts.max(initial=0)) + width > len(data):  # the last slices need zeros after the buffer
+            data = np.concatenate([data, np.zeros(width, np.uint8)])
         # Each row's bytes are one row of a sliding window over the buffer: gathered by memcpy.
         self.parts.append(_Part(np.lib.stride_tricks.sliding_window_view(data, width), starts, lens))
 
@@ -282,7 +277,6 @@ def render(lay: ProcessLayout, origin_us: int, out: IO[bytes]) -> Counts:
     out.write(_descriptors(lay))
     kind, ref, ts_us = _event_order(lay)
     payloads = {BEGIN: _span_annotations(lay), INSTANT: _instant_annotations(lay), COUNTER: _counter_values(lay)}
-    payloads = {k: (padded(data, int(lens.max(initial=0))), starts, lens) for k, (data, starts, lens) in payloads.items()}
     for a in range(0, len(kind), EVENT_CHUNK):
         b = a + EVENT_CHUNK
         _packets(lay, kind[a:b], ref[a:b], ts_us[a:b], payloads, first=a == 0).write(out)
@@ -370,9 +364,10 @@ def _span_annotations(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.nd
     if not chunks:
         return np.zeros(0, np.uint8), np.zeros(0, np.int64), np.zeros(0, np.int64)
     offsets = np.cumsum([0] + [len(data) for data, _, _ in chunks[:-1]])
-    return (np.concatenate([data for data, _, _ in chunks]),
-            np.concatenate([starts + offset for (_, starts, _), offset in zip(chunks, offsets)]),
-            np.concatenate([lens for _, _, lens in chunks]))
+    lens = np.concatenate([lens for _, _, lens in chunks])
+    # Padded once here, so that no chunk of events copies the buffer to take its longest slice.
+    data = np.concatenate([*(data for data, _, _ in chunks), np.zeros(int(lens.max()), np.uint8)])
+    return data, np.concatenate([starts + offset for (_, starts, _), offset in zip(chunks, offsets)]), lens
 
 
 def _span_annotation_rows(lay: ProcessLayout, lo: int, hi: int) -> Rows:
