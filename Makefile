@@ -48,6 +48,11 @@ demo: install
 test: install chromium phoenix
 	$(BIN)/python -m pytest -q
 
+# The fault suite with more trials; rewrites README's Reliability table (tests/faults/report.py).
+.PHONY: faults
+faults: install
+	$(BIN)/python tests/faults/report.py --trials $${FAULT_TRIALS:-100} --examples $${FUZZ_EXAMPLES:-5000}
+
 bench: install
 	$(BIN)/python benchmarks/span_overhead.py
 	$(BIN)/python benchmarks/train_overhead.py

@@ -88,6 +88,10 @@ def test_keyword_beats_config_beats_env(tmp_path: Path, monkeypatch: pytest.Monk
     ({"enabled": True, "backup_count": -1}, "backup_count"),
     ({"enabled": True, "max_file_size_mb": "big"}, "max_file_size_mb"),
     ({"enabled": True, "save_path": None}, "save_path"),
+    # Issue 11: these escaped init as OverflowError, ValueError (embedded null byte), UnicodeEncodeError.
+    ({"enabled": True, "save_path": "/tmp/x", "max_file_size_mb": 1e308}, "max_file_size_mb"),
+    ({"enabled": True, "save_path": "/tmp/a\0b"}, "save_path"),
+    ({"enabled": True, "save_path": "/tmp/x", "run_id": "run-\udcff"}, "run_id"),
 ])
 def test_init_is_strict(kwargs: dict, needle: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OTEL_TRAIN_SAVE_PATH", raising=False)

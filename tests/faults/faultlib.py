@@ -36,17 +36,22 @@ time (hypothesis ``derandomize``), so a red run is reproducible and never a coin
 
 
 @contextmanager
-def reported(fault: str, holds: str, count: int) -> Iterator[None]:
-    """Run a fault test's body; append its outcome to ``FAULT_REPORT`` (when set) either way."""
+def reported(fault: str, holds: str, count: int, seconds: float | None = None) -> Iterator[None]:
+    """Run a fault test's body; append its outcome to ``FAULT_REPORT`` (when set) either way: the
+    fault, the number of trials, what must hold, pass or the failure's first line, and how long."""
     t0 = time.monotonic()
-    ok = False
+    failure = None
     try:
         yield
-        ok = True
+    except BaseException as exc:
+        failure = " ".join(str(exc).split())[:240] or type(exc).__name__
+        raise
     finally:
         target = os.environ.get("FAULT_REPORT")
         if target:
-            row = {"fault": fault, "trials": count, "holds": holds, "ok": ok, "seconds": round(time.monotonic() - t0, 1)}
+            took = time.monotonic() - t0 if seconds is None else seconds
+            row = {"fault": fault, "trials": count, "holds": holds, "ok": failure is None, "failure": failure,
+                   "seconds": round(took, 1)}
             with open(target, "a", encoding="utf-8") as fh:
                 fh.write(json.dumps(row) + "\n")
 

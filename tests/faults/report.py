@@ -31,7 +31,8 @@ def run_suite(trials: int, examples: int, report: Path) -> int:
 def table(rows: list[dict], when: str) -> str:
     lines = ["| fault | trials | what must hold | last run |", "|---|---:|---|---|"]
     for row in sorted(rows, key=lambda r: r["fault"]):
-        result = f"{'pass' if row['ok'] else '**FAIL**'} ({when}, {row['seconds']:.0f} s)"
+        result = f"pass ({when}, {row['seconds']:.0f} s)" if row["ok"] else \
+            f"**FAIL** ({when}): {row.get('failure') or ''}".replace("|", "\\|")
         lines.append(f"| {row['fault']} | {row['trials']} | {row['holds']} | {result} |")
     return "\n".join(lines)
 
