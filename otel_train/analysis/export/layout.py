@@ -308,8 +308,8 @@ class ProcessLayout:
         return self.index + 1
 
 
-def track_tid(pid: int, track_index: int) -> int:
-    """The trace-wide thread id of a process's track."""
+def track_tid(pid: int, track_index: int | np.ndarray) -> int | np.ndarray:
+    """The trace-wide thread id of a process's track (or of a column of tracks)."""
     return pid * TID_STRIDE + track_index + 1
 
 
