@@ -66,8 +66,12 @@ def watch_job(tmp_path: Path, job: list[str], watch: list[str], *, restarts: int
         out, err = watcher.communicate(timeout=timeout)
     finally:
         watcher.kill()
-        if launched.poll() is None:
-            os.killpg(launched.pid, signal.SIGKILL)  # a rank holding the GIL ignores SIGTERM
+        # The whole session, even when torchrun itself has exited: a rank holding the GIL ignores the
+        # SIGTERM torchrun sends and would outlive it, burning a core for good.
+        try:
+            os.killpg(launched.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         launched.wait()
         log.close()
     events = [json.loads(line) for line in out.splitlines()]
