@@ -6,7 +6,7 @@ that namespace: ``server.run([...])`` runs a command there (``nsenter --net=/pro
 OTLP/HTTP protobuf is at ``http://127.0.0.1:6006/v1/traces``, gRPC at ``127.0.0.1:4317``; spans are
 read back through the REST API (``GET /v1/projects/{project}/spans``).
 
-Phoenix lives in its own venv, ``.venv-phoenix`` (``bash scripts/phoenix-venv.sh``).
+Phoenix lives in its own venv, ``.venv-phoenix`` (``bash .ci/phoenix-venv.sh``).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class PhoenixServer:
 def phoenix(tmp_path_factory: pytest.TempPathFactory):
     """A running PhoenixServer; skips (with the reason) without .venv-phoenix or network namespaces."""
     if not PHOENIX.exists():
-        pytest.skip(f"{PHOENIX.parent.parent.name} missing: create it with `bash scripts/phoenix-venv.sh`")
+        pytest.skip(f"{PHOENIX.parent.parent.name} missing: create it with `bash .ci/phoenix-venv.sh`")
     reason = netns_unavailable()
     if reason:
         pytest.skip(reason)
