@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
 from otel_train import schema
@@ -66,17 +67,25 @@ def watch_job(tmp_path: Path, job: list[str], watch: list[str], *, restarts: int
         out, err = watcher.communicate(timeout=timeout)
     finally:
         watcher.kill()
-        # The whole session, even when torchrun itself has exited: a rank holding the GIL ignores the
-        # SIGTERM torchrun sends and would outlive it, burning a core for good.
-        try:
+        if launched.poll() is None:
             os.killpg(launched.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         launched.wait()
+        _kill_ranks(run)
         log.close()
     events = [json.loads(line) for line in out.splitlines()]
     assert events and events[-1]["type"] == "end", (out, err, (tmp_path / "job.log").read_text()[-3000:])
     return Watched(events, watcher.returncode, err, run)
+
+
+def _kill_ranks(run: Path) -> None:
+    """Kill every rank of the job still alive: torchrun starts each rank in a session of its own, and a
+    rank holding the GIL ignores the SIGTERM torchrun sends, so it would outlive the test for good."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if str(run) in (proc.info["cmdline"] or []):
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
 
 
 def _latency(w: Watched, finding: dict[str, Any], scenario: str) -> float:
