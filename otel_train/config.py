@@ -61,6 +61,7 @@ class Settings:
     job_id: str | None = None
     fsync: bool = False
     trace_per_step: bool = True
+    trace_group_size: int = 64
     log_bridge: bool = False
     log_level: str = "WARNING"
     telemetry_every: int = 0
@@ -248,6 +249,7 @@ _FIELDS: dict[str, _Field] = {
     "job_id": _Field(_optional(_text), "a non-empty string (no NUL, valid UTF-8)"),
     "fsync": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "trace_per_step": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
+    "trace_group_size": _Field(_int_at_least(1), "a whole number of ranks from 1 to 2**53 per step trace"),
     "log_bridge": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "log_level": _Field(_log_level, f"a logging level name, one of {', '.join(LOG_LEVELS)}"),
     "telemetry_every": _Field(_int_at_least(0), "a whole number of steps from 0 to 2**53 (0 disables)"),

@@ -13,7 +13,6 @@ import atexit
 # the child only in its own after-fork hook. Hooks run in registration order, so this module's must be
 # registered first, or every fork child (DataLoader workers included) deadlocks in the SDK's hook.
 import concurrent.futures.thread  # noqa: F401
-import hashlib
 import os
 import random
 import secrets
@@ -29,7 +28,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link
+from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanContext, TraceFlags
 
 from otel_train import _report, api
 from otel_train import context as step_context
@@ -51,17 +50,12 @@ from otel_train.watchdog import Watchdog
 TRAINING_ATTR_PREFIX = "training."
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
 SIGTERM_RETRY_S = 0.005
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 SIGTERM_MAX_DEFERRALS = 200  # about a second; a write blocked that long (a hung mount) is not waited for
 
 
-def step_trace_id(run_id: str, step: int) -> int:
-    """The trace id every rank gives its ``step`` span: derived from (run id, step), never zero."""
-    digest = hashlib.sha256(f"{run_id}\x00{step}".encode()).digest()
-    return int.from_bytes(digest[:16], "big") or 1
-
-
 class StepTraceIdGenerator(IdGenerator):
-    """Random ids from a private generator, except a trace id requested for the next root span on this thread.
+    """Random ids from a private generator, except ids requested for the next span on this thread.
 
     Private, because training code seeds and restores the global ``random`` state (every rank with the
     same seed; Lightning's ``isolate_rng``), which would make the SDK's default ids collide.
@@ -74,7 +68,14 @@ class StepTraceIdGenerator(IdGenerator):
     def request_trace_id(self, trace_id: int) -> None:
         self._next.trace_id = trace_id
 
+    def request_span_id(self, span_id: int) -> None:
+        self._next.span_id = span_id
+
     def generate_span_id(self) -> int:
+        span_id = getattr(self._next, "span_id", None)
+        if span_id is not None:
+            self._next.span_id = None
+            return span_id
         span_id = self._random.getrandbits(64)
         while span_id == INVALID_SPAN_ID:
             span_id = self._random.getrandbits(64)
@@ -229,7 +230,7 @@ def _build(rt: _Runtime) -> None:
         tracer = LeanTracer(rt.jsonl, id_generator)
     start_step = None
     if settings.trace_per_step and ctx.run_id_known:
-        start_step = _step_span_starter(tracer, id_generator, ctx.run_id)
+        start_step = _step_span_starter(tracer, id_generator, ctx, settings.trace_group_size)
     jsonl = rt.jsonl
     api._tracing = api.Tracing(
         tracer=tracer,
@@ -248,18 +249,29 @@ def _no_scalar(values: Mapping[str, Any]) -> None:
     return None
 
 
-def _step_span_starter(tracer: trace.Tracer, ids: StepTraceIdGenerator, run_id: str) -> Any:
+def _step_span_starter(tracer: trace.Tracer, ids: StepTraceIdGenerator, ctx: RunContext, group_size: int) -> Any:
+    """Step N of the ranks of one group (``rank // group_size``) shares a trace; every step span links to
+    the step's anchor, rank 0's step span in group 0's trace (docs/deploy.md, "One step across groups").
+    All ids come from the run id, step, group and attempt: no rank talks to another."""
     empty = Context()
+    run_id, group, attempt, anchor = ctx.run_id, ctx.rank // group_size, ctx.attempt, ctx.rank == 0
+    link_attrs = {S.ATTR_LINK: S.LINK_STEP_ANCHOR}
 
     def start_step_span(attrs: Mapping[str, Any] | None) -> trace.Span:
         step = step_context.current().step
         if step is None:
             return tracer.start_span(STEP, attributes=attrs)
-        # A root span in a trace every rank shares for this step; link to what encloses it, if anything.
+        # A root span of the group's trace for this step; links to what encloses it and to the anchor.
         outer = trace.get_current_span().get_span_context()
-        links = [Link(outer)] if outer.is_valid else None
-        ids.request_trace_id(step_trace_id(run_id, step))
-        return tracer.start_span(STEP, context=empty, attributes=attrs, links=links)
+        links = [Link(outer)] if outer.is_valid else []
+        anchor_id = S.step_anchor_span_id(run_id, step, attempt)
+        if anchor:
+            ids.request_span_id(anchor_id)
+        else:
+            anchor_ctx = SpanContext(S.step_trace_id(run_id, step, 0), anchor_id, True, _SAMPLED)
+            links.append(Link(anchor_ctx, link_attrs))
+        ids.request_trace_id(S.step_trace_id(run_id, step, group))
+        return tracer.start_span(STEP, context=empty, attributes=attrs, links=links or None)
 
     return start_step_span
 

@@ -6,6 +6,7 @@ names, kinds and file-name rules from here, so neither needs to know the other's
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 SCHEMA_VERSION = 1
@@ -75,6 +76,20 @@ FILE_RE = re.compile(
 )
 
 
+def step_trace_id(run_id: str, step: int, group: int = 0) -> int:
+    """The trace id of step ``step`` for the ranks of ``group`` (``rank // trace_group_size``): derived
+    from the run id, the step and the group alone, so every rank finds it without talking to another."""
+    digest = hashlib.sha256(f"{run_id}\x00{step}\x00{group}".encode()).digest()
+    return int.from_bytes(digest[:16], "big") or 1
+
+
+def step_anchor_span_id(run_id: str, step: int, attempt: int) -> int:
+    """The span id of the step's *anchor*: rank 0's ``step`` span in group 0's trace, which every other
+    rank's step span links to (docs/deploy.md, "One step across groups")."""
+    digest = hashlib.sha256(f"{run_id}\x00{step}\x00anchor\x00{attempt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") or 1
+
+
 def trace_file_name(source: str, rank: int, stamp: str, rand: str) -> str:
     """``<source>.global_rank_<rank>.<YYYYmmdd-HHMMSS>-<6 random>.jsonl`` (the active segment)."""
     return f"{source}.global_rank_{rank}.{stamp}-{rand}{FILE_SUFFIX}"
@@ -99,3 +114,5 @@ ATTR_RELATIVE_STEP = "training.relative_step"
 ATTR_EPOCH = "training.epoch"
 ATTR_ITERATION = "training.iteration"
 ATTR_TAGS = "training.tags"
+ATTR_LINK = "otel_train.link"  # on a span link: why it is there ("step_anchor")
+LINK_STEP_ANCHOR = "step_anchor"

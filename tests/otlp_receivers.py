@@ -78,6 +78,8 @@ def flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[dict[s
                         "status_message": span.status.message,
                         "events": [{"name": e.name, "time_unix_nano": e.time_unix_nano,
                                     "attributes": _attributes(e.attributes)} for e in span.events],
+                        "links": [{"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex(),
+                                   "attributes": _attributes(link.attributes)} for link in span.links],
                     }
                 )
     return out

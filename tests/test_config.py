@@ -37,6 +37,7 @@ CASES: dict[str, tuple[str, Any, Any]] = {
     "job_id": ("12345", "12345", "12345"),
     "fsync": ("TRUE", True, True),
     "trace_per_step": ("off", False, False),
+    "trace_group_size": ("16", 16, 16),
     "log_bridge": ("1", True, True),
     "log_level": ("debug", "info", None),
     "telemetry_every": ("50", 50, 50),

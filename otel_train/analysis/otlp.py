@@ -20,7 +20,7 @@ docs/otlp.md ("Pushing trace files") describes what is sent.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from otel_train import schema
 from otel_train._version import __version__
 from otel_train.analysis.records import Instant
 from otel_train.analysis.spans import ProcessState, Span
+from otel_train.phases import STEP
 
 DEFAULT_SERVICE_NAME = "otel-train"
 SCOPE = InstrumentationScope("otel_train", __version__)
@@ -191,15 +192,41 @@ def to_readable(
     )
 
 
-def convert(spans: Iterable[Span], resource: Resource, end_fallback_ts: float,
-            events: dict[str, list[Event]], tally: Tally) -> Iterator[ReadableSpan]:
-    """``spans`` as SDK spans, each with its events (taken out of ``events``), counted in ``tally``.
+def step_links(state: ProcessState) -> Callable[[Span], tuple[Link, ...]]:
+    """The links the runtime gave a process's ``step`` spans, rebuilt from ids alone: a step span in its
+    group's trace links to the step's anchor (rank 0's step span in group 0's trace), as
+    ``otel_train.runtime`` does live (docs/deploy.md, "One step across groups")."""
+    run_id, settings = state.run_id, state.settings
+    size = settings.get("trace_group_size", 64)
+    if not run_id or not settings.get("trace_per_step", True) or not isinstance(size, int) or size < 1:
+        return lambda span: ()
+    group, attempt = state.rank // size, state.attempt
+    link_attrs = {schema.ATTR_LINK: schema.LINK_STEP_ANCHOR}
 
-    Spans without valid ids are left out (counted, and their events as dropped instants).
-    """
+    def links(span: Span) -> tuple[Link, ...]:
+        step = span.step
+        if span.name != STEP or span.parent_span_id or step is None:
+            return ()
+        if span.trace_id != f"{schema.step_trace_id(run_id, step, group):032x}":
+            return ()  # not a grouped step trace (another writer, another derivation)
+        anchor = schema.step_anchor_span_id(run_id, step, attempt)
+        if span.span_id == f"{anchor:016x}":
+            return ()  # the anchor itself
+        target = SpanContext(schema.step_trace_id(run_id, step, 0), anchor, is_remote=True, trace_flags=_SAMPLED)
+        return (Link(target, link_attrs),)
+
+    return links
+
+
+def convert(spans: Iterable[Span], resource: Resource, end_fallback_ts: float,
+            events: dict[str, list[Event]], tally: Tally,
+            links: Callable[[Span], Sequence[Link]] = lambda span: ()) -> Iterator[ReadableSpan]:
+    """``spans`` as SDK spans, each with its events (taken out of ``events``) and ``links(span)``,
+    counted in ``tally``. Spans without valid ids are left out (counted, and their events as dropped
+    instants)."""
     for span in spans:
         own = events.pop(span.span_id, [])
-        out = to_readable(span, resource, end_fallback_ts, own)
+        out = to_readable(span, resource, end_fallback_ts, own, links(span))
         if out is None:
             tally.spans_without_ids += 1
             tally.instants_dropped += len(own)
@@ -229,6 +256,6 @@ def process_spans(state: ProcessState, resource: Resource, tally: Tally) -> Iter
     Instants whose span is not among them are dropped, scalars skipped; both are counted in ``tally``.
     """
     events = events_by_span(state.instants, tally=tally)
-    yield from convert(state.spans, resource, state.last_ts or 0.0, events, tally)
+    yield from convert(state.spans, resource, state.last_ts or 0.0, events, tally, step_links(state))
     tally.instants_dropped += sum(map(len, events.values()))
     tally.scalars_skipped += len(state.scalars)

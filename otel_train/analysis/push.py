@@ -29,6 +29,7 @@ from otel_train.analysis.otlp import (
     events_by_span,
     process_resource,
     process_spans,
+    step_links,
 )
 from otel_train.analysis.otlp_send import Destination
 from otel_train.analysis.records import AnyRecord, BadLines, ProcessFiles, Reader, Tail, Warn, head, warn_to_stderr
@@ -124,9 +125,9 @@ class LiveProcess:
         """The spans these records ended."""
         state = self.state
         state.feed(records)
-        events_by_span(state.instants, self._events, self.stats)
-        self.stats.scalars_skipped += len(state.scalars)
-        closed, state.spans, state.instants, state.scalars = state.spans, [], [], []
+        closed, instants, scalars = state.drain()
+        events_by_span(instants, self._events, self.stats)
+        self.stats.scalars_skipped += len(scalars)
         out = self._convert(closed)
         for span_id in [sid for sid in self._events if sid not in state.opened]:
             self.stats.instants_dropped += len(self._events.pop(span_id))
@@ -142,7 +143,8 @@ class LiveProcess:
         return out
 
     def _convert(self, spans: list[Span]) -> list[ReadableSpan]:
-        return list(convert(spans, self.resource, self.state.last_ts or 0.0, self._events, self.stats))
+        return list(convert(spans, self.resource, self.state.last_ts or 0.0, self._events, self.stats,
+                            step_links(self.state)))
 
 
 def follow(

@@ -143,7 +143,7 @@ class ProcessState:
         "source", "rank", "attempt", "instance", "keep",
         "host", "pid", "world_size", "local_rank", "run_id", "job_id",
         "first_ts", "last_ts", "last_event", "first_step", "final_step", "relative_step",
-        "records", "malformed", "ended_cleanly", "last_closed", "last_heartbeat_ts",
+        "records", "malformed", "ended_cleanly", "last_closed", "last_heartbeat_ts", "settings",
         "phases", "parents", "errors", "incomplete", "stalls", "opened",
         "spans", "instants", "scalars", "_sinks",
     )
@@ -167,6 +167,7 @@ class ProcessState:
         self.ended_cleanly = False
         self.last_closed: str | None = None  # last phase that closed inside the current step
         self.last_heartbeat_ts: float | None = None
+        self.settings: dict[str, Any] = {}  # the process's resolved settings (its process_start record)
         self.phases: dict[str, PhaseSeries] = {}
         self.parents: dict[str, str | None] = {}
         self.errors: list[ErrorSpan] = []
@@ -307,6 +308,9 @@ class ProcessState:
         name = rec.name
         if name == schema.INSTANT_PROCESS_END:
             self.ended_cleanly = True
+        elif name == schema.INSTANT_PROCESS_START:
+            settings = (rec.attrs or {}).get("settings")
+            self.settings = settings if isinstance(settings, dict) else {}
         elif name == schema.INSTANT_HEARTBEAT:
             self.last_heartbeat_ts = rec.ts
         elif name == schema.INSTANT_STALL:
@@ -338,6 +342,13 @@ class ProcessState:
         if inner is None:
             return None
         return self.last_closed if inner.name == STEP and self.last_closed else inner.name
+
+    def drain(self) -> tuple[list[Span], list[Instant], list[Scalar]]:
+        """(``keep=True``) Take the spans closed, instants and scalars fed since the last drain: a tail
+        (``push --follow``) ships them as they come; open spans stay in the state."""
+        out = (self.spans, self.instants, self.scalars)
+        self.spans, self.instants, self.scalars = [], [], []
+        return out
 
     def finish(self) -> None:
         """After the last batch (``keep=True``): open spans join ``spans``, all in start order."""
