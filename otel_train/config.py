@@ -62,6 +62,7 @@ class Settings:
     fsync: bool = False
     trace_per_step: bool = True
     trace_group_size: int = 64
+    digest_s: float = 10.0
     log_bridge: bool = False
     log_level: str = "WARNING"
     telemetry_every: int = 0
@@ -250,6 +251,7 @@ _FIELDS: dict[str, _Field] = {
     "fsync": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "trace_per_step": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "trace_group_size": _Field(_int_at_least(1), "a whole number of ranks from 1 to 2**53 per step trace"),
+    "digest_s": _Field(_float_at_least(0.0), "a number of seconds >= 0 between digests (0: none)"),
     "log_bridge": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "log_level": _Field(_log_level, f"a logging level name, one of {', '.join(LOG_LEVELS)}"),
     "telemetry_every": _Field(_int_at_least(0), "a whole number of steps from 0 to 2**53 (0 disables)"),

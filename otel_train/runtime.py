@@ -45,6 +45,7 @@ from otel_train.handlers import load_handlers
 from otel_train.phases import STEP
 from otel_train.resource import RunContext, build_resource, detect_run_context
 from otel_train.spans import CleanTracer, LeanTracer
+from otel_train.digest import DigestWriter
 from otel_train.watchdog import Watchdog
 
 TRAINING_ATTR_PREFIX = "training."
@@ -123,6 +124,7 @@ class _Runtime:
         self.record_handlers: list[Any] = []
         self.undo: list[Any] = []  # uninstallers for hooks, run in reverse at shutdown
         self.file_path: str | None = None
+        self.watchdog: Watchdog | None = None
 
 
 _lock = threading.RLock()
@@ -347,8 +349,10 @@ def _start_watchdog(rt: _Runtime) -> None:
     settings, jsonl = rt.settings, rt.jsonl
     if not settings.watchdog or jsonl is None:
         return
-    watchdog = Watchdog(jsonl, heartbeat_s=settings.heartbeat_s, stall_min_s=settings.stall_min_s,
-                        stall_factor=settings.stall_factor)
+    # The digest (otel_train.digest) is written from the watchdog's thread: none without a trace file.
+    digest = DigestWriter(rt.file_path, settings.digest_s) if settings.digest_s and rt.file_path else None
+    watchdog = rt.watchdog = Watchdog(jsonl, heartbeat_s=settings.heartbeat_s, stall_min_s=settings.stall_min_s,
+                                      stall_factor=settings.stall_factor, digest=digest)
     jsonl.ended = watchdog.ended
     rt.undo.append(watchdog.start().stop)
 
@@ -381,6 +385,8 @@ def shutdown(timeout_s: float = 5.0) -> None:
             _report.report("spans dropped", f"{dropped} span(s) could not be exported (collector unreachable or "
                            "queue full); the JSONL file has them all")
         if jsonl is not None:
+            if rt.watchdog is not None:
+                _quietly(rt.watchdog.final_digest)
             _finish_file(jsonl, rt.writer, incomplete, dropped)
         _report_at_shutdown(jsonl.dropped_records if jsonl is not None else 0)
         for handler in rt.record_handlers:

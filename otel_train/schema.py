@@ -90,6 +90,14 @@ def step_anchor_span_id(run_id: str, step: int, attempt: int) -> int:
     return int.from_bytes(digest[:8], "big") or 1
 
 
+DIGEST_SUFFIX = ".digest.json"
+
+
+def digest_file_name(trace_file: str) -> str:
+    """The digest beside a process's active trace file: ``….<stamp>-<rand>.digest.json`` (docs/schema.md)."""
+    return trace_file[: -len(FILE_SUFFIX)] + DIGEST_SUFFIX if trace_file.endswith(FILE_SUFFIX) else trace_file + DIGEST_SUFFIX
+
+
 def trace_file_name(source: str, rank: int, stamp: str, rand: str) -> str:
     """``<source>.global_rank_<rank>.<YYYYmmdd-HHMMSS>-<6 random>.jsonl`` (the active segment)."""
     return f"{source}.global_rank_{rank}.{stamp}-{rand}{FILE_SUFFIX}"

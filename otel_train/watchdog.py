@@ -31,7 +31,8 @@ import time
 from types import FrameType
 from typing import Any, Protocol
 
-from otel_train import _report
+from otel_train import _report, sketch
+from otel_train.digest import DigestWriter
 from otel_train import schema as S
 from otel_train.stall import MAX_STALLS_PER_SPAN, stall_threshold
 
@@ -43,60 +44,71 @@ MAX_QUEUED_SPANS = 8192
 """Ended spans kept for the next look; beyond, the oldest are dropped: above ~8,000 spans a second the
 sketch counts a sample, which bounds what counting costs the process (it holds the GIL) per look."""
 
-_GAMMA = 1.02
-_INV_LOG_GAMMA = 1.0 / math.log(_GAMMA)
-_BUCKETS = int(math.log(2**63) * _INV_LOG_GAMMA) + 2  # every duration an int64 of nanoseconds can hold
 _log = math.log
 
 
 class DurationSketch:
-    """Closed-span durations per name, as log-spaced bucket counts (the DDSketch idea, ±1 % relative).
+    """Closed-span durations per name, as log-spaced bucket counts (``otel_train.sketch``: ±1 % relative),
+    with each name's total and longest duration.
 
     ``add`` is one dict lookup, one logarithm and one list slot bumped; the watchdog's thread calls it
-    and ``quantile``, which reads a copy of the counts.
+    (through :meth:`count`), :meth:`quantile` and :meth:`snapshot` (for the digest), which read copies.
     """
 
-    __slots__ = ("_buckets",)
+    __slots__ = ("_buckets", "_totals")
 
     def __init__(self) -> None:
         self._buckets: dict[str, list[int]] = {}
+        self._totals: dict[str, list[int]] = {}  # name -> [sum ns, max ns]
+
+    def _slots(self, name: str) -> tuple[list[int], list[int]]:
+        counts = self._buckets.get(name)
+        if counts is None:
+            counts = self._buckets[name] = [0] * sketch.BUCKETS
+            self._totals[name] = [0, 0]
+        return counts, self._totals[name]
 
     def add(self, name: str, dur_ns: int) -> None:
         """Count one closed span of ``name`` that lasted ``dur_ns`` nanoseconds."""
-        counts = self._buckets.get(name)
-        if counts is None:
-            counts = self._buckets[name] = [0] * _BUCKETS
-        counts[int(_log(dur_ns + 1) * _INV_LOG_GAMMA)] += 1
+        counts, totals = self._slots(name)
+        counts[int(_log(dur_ns + 1) * sketch.INV_LOG_GAMMA)] += 1
+        totals[0] += dur_ns
+        if dur_ns > totals[1]:
+            totals[1] = dur_ns
 
     def count(self, ended: deque[Any]) -> None:
         """Count and remove every span in ``ended`` (objects with ``_name``, ``_start_time``, ``_end_time``)."""
-        buckets, log, inv = self._buckets, _log, _INV_LOG_GAMMA
-        pop, last, counts = ended.popleft, None, None
+        log, inv = _log, sketch.INV_LOG_GAMMA
+        pop, last, counts, totals = ended.popleft, None, None, None
         for _ in range(len(ended)):
             span = pop()
             if span._name is not last:
                 last = span._name
-                counts = buckets.get(last)
-                if counts is None:
-                    counts = buckets[last] = [0] * _BUCKETS
-            counts[int(log(span._end_time - span._start_time + 1) * inv)] += 1  # type: ignore[index]
+                counts, totals = self._slots(last)
+            dur = span._end_time - span._start_time
+            counts[int(log(dur + 1) * inv)] += 1  # type: ignore[index]
+            totals[0] += dur  # type: ignore[index]
+            if dur > totals[1]:  # type: ignore[index]
+                totals[1] = dur  # type: ignore[index]
 
     def quantile(self, name: str, q: float) -> tuple[int, float | None]:
         """(count, the ``q`` quantile in seconds, or None without durations) of ``name`` so far."""
         counts = self._buckets.get(name)
         if counts is None:
             return 0, None
-        counts = counts[:]  # one C-level copy: consistent against concurrent adds
-        total = sum(counts)
-        if not total:
-            return 0, None
-        rank, seen = q * total, 0
-        for key, count in enumerate(counts):
-            seen += count
-            if count and seen >= rank:
-                # The bucket's upper edge: a threshold errs on the late side, never on a false stall.
-                return total, (_GAMMA ** (key + 1)) / 1e9
-        return total, None
+        total, index = sketch.quantile_index(enumerate(counts[:]), q)  # a C-level copy: consistent
+        # The bucket's upper edge: a threshold errs on the late side, never on a false stall.
+        return total, None if index is None else sketch.upper_ns(index) / 1e9
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """Every name's count, total and longest duration (ms) and its non-empty buckets (a digest's ``phases``)."""
+        out = {}
+        for name, counts in list(self._buckets.items()):
+            counts = counts[:]
+            sum_ns, max_ns = self._totals[name]
+            out[name] = {"count": sum(counts), "sum_ms": sum_ns / 1e6, "max_ms": max_ns / 1e6,
+                         "buckets": {str(i): c for i, c in enumerate(counts) if c}}
+        return out
 
 
 class InstantSink(Protocol):
@@ -151,8 +163,10 @@ class _Stall:
 class Watchdog:
     """The thread: ``start()`` at init, ``stop()`` at shutdown; :meth:`check` is one look (tests call it)."""
 
-    def __init__(self, sink: InstantSink, *, heartbeat_s: float, stall_min_s: float, stall_factor: float) -> None:
+    def __init__(self, sink: InstantSink, *, heartbeat_s: float, stall_min_s: float, stall_factor: float,
+                 digest: DigestWriter | None = None) -> None:
         self._sink = sink
+        self.digest = digest
         self.sketch = DurationSketch()
         # Spans that ended, appended by the hot path (one C call), counted at each look.
         self.ended: deque[Any] = deque(maxlen=MAX_QUEUED_SPANS)
@@ -174,6 +188,12 @@ class Watchdog:
             self._thread.start()
         return self
 
+    def final_digest(self) -> None:
+        """At shutdown, after the open spans ended: count what ended since the last look, write the digest."""
+        if self.digest is not None:
+            self.sketch.count(self.ended)
+            self.digest.write(self._sink, self.sketch)  # type: ignore[arg-type]
+
     def stop(self, timeout_s: float = 1.0) -> None:
         """Stop the thread; waits at most ``timeout_s`` for a look in progress to finish."""
         self._stop.set()
@@ -191,6 +211,8 @@ class Watchdog:
     def check(self) -> None:
         """One look: stall records for spans past their threshold, then a heartbeat if the process is quiet."""
         self.sketch.count(self.ended)
+        if self.digest is not None:
+            self.digest.maybe(self._sink, self.sketch)  # type: ignore[arg-type]
         open_spans = self._sink.open_spans()
         self._check_stalls(open_spans, time.time_ns())
         self._check_quiet(open_spans, time.monotonic())

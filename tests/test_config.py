@@ -38,6 +38,7 @@ CASES: dict[str, tuple[str, Any, Any]] = {
     "fsync": ("TRUE", True, True),
     "trace_per_step": ("off", False, False),
     "trace_group_size": ("16", 16, 16),
+    "digest_s": ("2.5", 30, 30.0),
     "log_bridge": ("1", True, True),
     "log_level": ("debug", "info", None),
     "telemetry_every": ("50", 50, 50),
@@ -72,6 +73,7 @@ def test_each_setting_from_env(key: str) -> None:
     expected_env = {
         "heartbeat_s": 0.0,
         "stall_min_s": 2.5,
+        "digest_s": 2.5,
         "stall_factor": 3.0,
         "log_level": "DEBUG",
         "telemetry_sources": ("process", "cuda", "nvml"),

@@ -161,6 +161,18 @@ class JsonlSpanProcessor(SpanProcessor):
         """
         return [(sid, entry[0]._name, entry[0]._start_time, entry[3]) for sid, entry in self._open.copy().items()]
 
+    def digest_point(self, wait_s: float = RUNTIME_LOCK_WAIT_S) -> tuple[int, tuple[int, int], list[OpenEntry]] | None:
+        """(seq, the file's (inode, size), the open spans) at one instant, for a digest: taken under the
+        write lock (waiting at most ``wait_s``), so the open spans are exactly those the file shows open
+        at that size. None without a file."""
+        if not self._lock.acquire(timeout=wait_s):
+            raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
+        try:
+            position = self._writer.position() if self._writer is not None and not self._closed else None
+            return None if position is None else (self._seq, position, list(self._open.values()))
+        finally:
+            self._lock.release()
+
     def _point(self, what: str, encode: Callable[..., bytes], **payload: Any) -> None:
         try:
             ids = get_current_span().get_span_context()

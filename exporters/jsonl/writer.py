@@ -169,6 +169,18 @@ class RotatingFileWriter:
         """Bytes of records that did not reach the file whole."""
         return self._dropped_bytes
 
+    def position(self) -> tuple[int, int] | None:
+        """(inode, size) of the active file, or None while there is none (closed, or failed and not reopened).
+
+        A reader finds where a digest was taken by the inode: rotation renames the file, keeping it.
+        """
+        if self._fd < 0:
+            return None
+        try:
+            return os.fstat(self._fd).st_ino, self._size
+        except OSError:
+            return None
+
     def write(self, line: bytes) -> bool:
         """Append one ``\\n``-terminated record; True when it reached the kernel whole. Never raises."""
         n = len(line)

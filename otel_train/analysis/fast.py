@@ -6,8 +6,12 @@ was inside. Each process file is read from its end, backwards, in windows that g
 are read only when the active one is shorter than the window. The window's records feed a
 :class:`~otel_train.analysis.spans.ProcessState` like any other batch, and the findings come from
 the same rules a full summarize uses, so ``processes``, ``unclosed`` and the ``hang``/``crash``/
-``restart`` findings are the same. ``phases`` come from the per-process digests the runtime writes
-beside its files (approximate: each row says ``"approx": true``), or are ``null`` without them.
+``restart`` findings are the same.
+
+The per-process digest the runtime keeps beside its file (docs/schema.md, "Digests") adds what a
+tail cannot show: a span that began long before the tail and is still open (its open spans, with the
+file size when it was taken), and the ``phases`` (merged duration sketches: approximate, each row says
+``"approx": true``). Without digests ``phases`` is ``null``.
 """
 
 from __future__ import annotations
@@ -15,8 +19,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from otel_train import sketch
 from otel_train.analysis.findings import CRASH, HANG, RESTART, findings
-from otel_train.analysis.records import AnyRecord, BadLines, Head, ProcessFiles, SpanEnd, Warn, read_tail
+from otel_train.analysis.records import (
+    AnyRecord,
+    BadLines,
+    Digest,
+    Head,
+    ProcessFiles,
+    SpanEnd,
+    Warn,
+    bytes_since,
+    read_digest,
+    read_tail,
+)
 from otel_train.analysis.spans import ProcessState, Run, process_order
 from otel_train.analysis.summary import process_row, unclosed_rows
 
@@ -27,41 +43,60 @@ FAST_KINDS = (HANG, CRASH, RESTART)
 
 
 def summarize_fast(path: str | Path, *, warn: Warn | None = None) -> dict[str, Any]:
-    """The ``summarize --json`` keys from each file's tail (docs/cli.md); raises TraceReadError."""
+    """The ``summarize --json`` keys from each file's tail and digest (docs/cli.md); raises TraceReadError."""
     bad = BadLines(warn)
-    states = [tail_state(pf, attempt, meta, bad) for pf, attempt, meta in process_order(path, warn=bad.warn)]
-    states = [s for s in states if s.records]
-    states.sort(key=lambda s: (s.rank, s.attempt, s.source))
-    run = Run(states, bad.count)
+    read = []
+    for pf, attempt, meta in process_order(path, warn=bad.warn):
+        digest = read_digest(pf, bad.warn)
+        read.append((tail_state(pf, attempt, meta, bad, digest), digest))
+    read = [(s, d) for s, d in read if s.records]
+    read.sort(key=lambda sd: (sd[0].rank, sd[0].attempt, sd[0].source))
+    run = Run([s for s, _ in read], bad.count)
     return {
         "processes": [{**process_row(d), "records": None} for d in run.processes],  # unknown from a tail
         "unclosed": [row for d in run.processes for row in unclosed_rows(d)],
-        "phases": None,
-        "findings": [f for f in findings(run) if f["kind"] in FAST_KINDS],
+        "phases": digest_phases(run, [d for _, d in read]),
+        "findings": [f for f in findings(run, stragglers=False) if f["kind"] in FAST_KINDS],
+        "goodput": None,  # needs every step
         "malformed_lines": run.malformed_lines,
         "fast": True,
+        "digests": sum(d is not None for _, d in read),
     }
 
 
-def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines) -> ProcessState:
-    """A process's state from the smallest tail window that shows where it stopped."""
+def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines,
+               digest: Digest | None = None) -> ProcessState:
+    """A process's state from the smallest tail window that shows where it stopped (and, with its
+    digest, every span still open however long ago it began)."""
     size = FIRST_WINDOW
     while True:
-        # A window is read again when it grows: only the last one's bad lines are counted and reported.
-        warnings: list[str] = []
-        window_bad = BadLines(warnings.append)
-        records, whole = read_tail(pf, size, window_bad)
-        state = ProcessState.of(pf, attempt, meta=meta)
-        state.feed(records)
+        state, records, whole, window_bad = _window(pf, attempt, meta, size)
         if whole or _complete(state, records):
             break
         size *= 4
-    bad.count += window_bad.count
-    for line in warnings:
-        bad.warn(line)
+    if digest is not None and not whole:
+        missing = _open_before(digest, state, records)
+        since = bytes_since(pf, digest.file.ino, digest.file.size) if missing else None
+        if since is not None and since > size:  # the window must reach back to the digest
+            state, records, whole, window_bad = _window(pf, attempt, meta, since)
+            missing = _open_before(digest, state, records)
+        if since is not None:
+            for span in missing:  # open at the digest and not ended since: open still
+                state.opened[span.span_id] = span.start_record()
+    bad.absorb(window_bad)
     state.malformed = window_bad.count
     state.first_step = meta.step if meta is not None else None  # restarts report where they began
     return state
+
+
+def _window(pf: ProcessFiles, attempt: int, meta: Head | None, size: int
+            ) -> tuple[ProcessState, list[AnyRecord], bool, BadLines]:
+    # A window is read again when it grows: only the last one's bad lines are counted and reported.
+    window_bad = BadLines(collect=True)
+    records, whole = read_tail(pf, size, window_bad)
+    state = ProcessState.of(pf, attempt, meta=meta)
+    state.feed(records)
+    return state, records, whole, window_bad
 
 
 def _complete(state: ProcessState, records: list[AnyRecord]) -> bool:
@@ -76,3 +111,33 @@ def _complete(state: ProcessState, records: list[AnyRecord]) -> bool:
         if parent is not None and parent not in opened and parent not in ended:
             return False  # its parent began before the window and is still open
     return True
+
+
+def _open_before(digest: Digest, state: ProcessState, records: list[AnyRecord]) -> list[Any]:
+    """The digest's open spans that the window neither saw begin nor end."""
+    seen = set(state.opened) | {r.span_id for r in records if type(r) is SpanEnd}
+    return [span for span in digest.open if span.span_id not in seen]
+
+
+def digest_phases(run: Run, digests: list[Digest | None]) -> list[dict[str, Any]] | None:
+    """``phases`` rows from the processes' digests merged (``approx``: ±1 % quantiles); None without any."""
+    have = [(state, d) for state, d in zip(run.processes, digests) if d is not None and d.gamma == sketch.GAMMA]
+    if not have:
+        return None
+    names = {name for _, d in have for name in d.phases}
+    rows = []
+    for name in [n for n in run.phase_order() if n in names] + sorted(names - set(run.phase_order())):
+        parts = [(state, d.phases[name]) for state, d in have if name in d.phases]
+        count = sum(p.count for _, p in parts)
+        if not count:
+            continue
+        merged = sorted(sketch.merge(p.buckets for _, p in parts).items())
+        p50, p95 = (sketch.mid_ns(sketch.quantile_index(merged, q)[1]) / 1e6 for q in (0.5, 0.95))  # type: ignore[arg-type]
+        who, top = max(parts, key=lambda sp: sp[1].max_ms)
+        rows.append({
+            "name": name, "count": count, "mean_ms": sum(p.sum_ms for _, p in parts) / count,
+            "p50_ms": p50, "p95_ms": p95, "max_ms": top.max_ms,
+            "slowest": {"rank": who.rank, "attempt": who.attempt, "step": None, "dur_ms": top.max_ms},
+            "approx": True,
+        })
+    return rows

@@ -26,6 +26,8 @@ import msgspec
 
 from otel_train import schema
 
+_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
+
 MAX_STEP = 2**53
 """Largest step, epoch or iteration a record may carry (the largest integer JSON keeps exact)."""
 MAX_TS = 1e11
@@ -249,13 +251,103 @@ class Head(msgspec.Struct, gc=False):
     step: _Step | None = None  # the first step the process recorded
 
 
+class DigestFile(msgspec.Struct, gc=False):
+    """Where a digest was taken: the trace file's inode and its size then."""
+
+    ino: Annotated[int, msgspec.Meta(ge=0)]
+    size: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class DigestSpan(msgspec.Struct, gc=False):
+    """A span open when a digest was taken."""
+
+    span_id: str
+    name: str
+    start_ts: _Ts
+    parent_span_id: str | None = None
+    trace_id: str | None = None
+    step: _Step | None = None
+    tid: _Id | None = None
+
+    def start_record(self) -> SpanStart:
+        """The span's start as the record the span model pairs."""
+        return SpanStart(v=1, ts=self.start_ts, name=self.name, span_id=self.span_id,
+                         parent_span_id=self.parent_span_id, trace_id=self.trace_id, step=self.step, tid=self.tid)
+
+
+class DigestPhase(msgspec.Struct, gc=False):
+    """One span name's closed durations in a digest: count, total and longest ms, and sketch buckets."""
+
+    count: Annotated[int, msgspec.Meta(ge=0)]
+    sum_ms: float
+    max_ms: float
+    buckets: dict[int, Annotated[int, msgspec.Meta(ge=0)]]
+
+
+class Digest(msgspec.Struct, gc=False):
+    """A process's digest (docs/schema.md, "Digests")."""
+
+    v: int
+    ts: _Ts
+    seq: int
+    file: DigestFile
+    open: list[DigestSpan]
+    gamma: float
+    phases: dict[str, DigestPhase]
+
+
+_digest_decoder = msgspec.json.Decoder(Digest)
+
+
+def read_digest(pf: ProcessFiles, warn: Warn) -> Digest | None:
+    """The digest beside a process's active file; None when there is none, with a warning when it is
+    unreadable or malformed (the runtime replaces it atomically, so that is not a write in progress)."""
+    path = Path(schema.digest_file_name(str(pf.paths[-1])))
+    try:
+        with open_regular(path) as f:
+            data = f.read(16 << 20)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        warn(f"warning: {path}: cannot read ({exc.strerror or exc}); phases of this process skipped")
+        return None
+    try:
+        return _digest_decoder.decode(data)
+    except _DECODE_ERRORS as exc:
+        warn(f"warning: {path}: not a digest ({_one_line(str(exc))}); phases of this process skipped")
+        return None
+
+
+def bytes_since(pf: ProcessFiles, ino: int, size: int) -> int | None:
+    """Bytes a process wrote after its active file (inode ``ino``) was ``size`` long; None when that
+    segment is gone (rotated away)."""
+    total = 0
+    for path in reversed(pf.paths):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if st.st_ino == ino:
+            return total + max(0, st.st_size - size)
+        total += st.st_size
+    return None
+
+
 class BadLines:
     """The one rule for lines that are not records: skip, count, and warn once per file (``file:line``)."""
 
-    def __init__(self, warn: Warn | None = None) -> None:
+    def __init__(self, warn: Warn | None = None, *, collect: bool = False) -> None:
         self.count = 0
-        self.warn = warn or warn_to_stderr
+        self.warnings: list[str] = []
+        # collect=True keeps the warnings for a later absorb() (a read that may be thrown away).
+        self.warn = self.warnings.append if collect else (warn or warn_to_stderr)
         self._warned: set[Path] = set()
+
+    def absorb(self, other: BadLines) -> None:
+        """Take over the count and the collected warnings of ``other``."""
+        self.count += other.count
+        for line in other.warnings:
+            self.warn(line)
 
     def report(self, path: Path, line_no: int | Callable[[], int], reason: str) -> None:
         """Count one bad line; warn when it is the first of ``path``."""
@@ -274,8 +366,9 @@ def _one_line(text: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+
+
 _record_decoder = msgspec.json.Decoder(RECORD_TYPES)
-_DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 def decode_chunk(

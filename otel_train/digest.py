@@ -1,0 +1,83 @@
+"""Per-process digests: what ``summarize --fast`` needs that a file's tail cannot give, in a small file.
+
+Beside its active trace file each process keeps ``….<stamp>-<rand>.digest.json`` (docs/schema.md,
+"Digests"), written by the watchdog's thread every ``digest_s`` seconds while the file grows and once at
+shutdown: the per-name duration sketch (``otel_train.sketch``: counts, ±1 % quantiles, mergeable
+across ranks), and, taken at one instant under the write lock, the record count, the file's inode and
+size, and every open span. A reader adds the records after that size to the digest's open spans and
+knows every span open at the end, however long ago it began. Written to a temporary file and renamed
+into place, so a kill mid-write leaves the previous digest whole.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from otel_train import _report
+from otel_train import schema as S
+from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
+from otel_train.sketch import GAMMA
+
+DIGEST_VERSION = 1
+
+_encode = msgspec.json.Encoder().encode
+
+
+class DigestWriter:
+    """Writes one process's digest: :meth:`maybe` on the watchdog's looks, :meth:`write` at shutdown."""
+
+    def __init__(self, trace_file: str, every_s: float) -> None:
+        self.path = S.digest_file_name(trace_file)
+        self._tmp = os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
+        self._every_s = every_s
+        self._last = time.monotonic()
+        self._last_seq = -1
+
+    def maybe(self, sink: JsonlSpanProcessor, sketch: Any) -> None:
+        """Write when ``every_s`` passed since the last digest and records were written since."""
+        now = time.monotonic()
+        if now - self._last >= self._every_s and sink.records_written != self._last_seq:
+            self.write(sink, sketch)
+
+    def write(self, sink: JsonlSpanProcessor, sketch: Any) -> None:
+        """Write the digest now, with ``sketch.snapshot()`` as its phases (never raises: a failure is
+        reported once and counted)."""
+        self._last = time.monotonic()
+        try:
+            point = sink.digest_point()
+            if point is None:
+                return
+            seq, (ino, size), entries = point
+            body = {
+                "v": DIGEST_VERSION, "ts": time.time(), "seq": seq, "file": {"ino": ino, "size": size},
+                "open": [_open_span(*entry) for entry in entries],
+                "gamma": GAMMA, "phases": sketch.snapshot(),
+            }
+            with open(self._tmp, "wb") as f:
+                f.write(_encode(body))
+            os.replace(self._tmp, self.path)
+            self._last_seq = seq
+        except Exception as exc:  # a digest is an aid to readers: never a reason to stop training
+            _report.report_exception("writing the digest", exc)
+
+
+def _us(ns: int) -> float:
+    # The same float the span's start record holds: its ts is written as whole microseconds.
+    return float(f"{ns // 1_000_000_000}.{ns // 1000 % 1_000_000:06d}")
+
+
+def _open_span(span: Any, body: str, state: Any, tid: int) -> dict[str, Any]:
+    ctx, parent = span._context, span._parent
+    return {
+        S.SPAN_ID: f"{ctx.span_id:016x}",
+        S.NAME: span._name,
+        S.PARENT_SPAN_ID: f"{parent.span_id:016x}" if parent is not None else None,
+        S.TRACE_ID: f"{ctx.trace_id:032x}",
+        S.STEP: state.step,
+        "start_ts": _us(span._start_time),
+        S.TID: tid,
+    }

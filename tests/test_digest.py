@@ -1,0 +1,126 @@
+"""Per-process digests: written by the watchdog's thread and at shutdown, replaced atomically; what
+``summarize --fast`` takes from them (spans open since long before the tail, approximate phases)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from otel_train import schema
+from otel_train.analysis.fast import summarize_fast
+from otel_train.analysis.records import Digest, find_process_files
+from otel_train.analysis.summary import summarize
+
+HUNG_CHILD = r"""
+import os, random, sys, time
+import otel_train as ot
+ot.init(save_path=sys.argv[1], enabled=True, run_id="digest-test", digest_s=0.2, heartbeat_s=0.5)
+rng = random.Random(7)
+with ot.log_trace_span("train"):            # a root span open since the first records
+    for step in range(400):
+        with ot.training_step(step):
+            for name, ms in (("data_fetch", 0.2), ("forward", 0.6)):
+                with ot.log_trace_span(name, note="x" * 40):
+                    t = time.perf_counter() + ms / 1000 * rng.uniform(0.5, 2.0)
+                    while time.perf_counter() < t:
+                        pass
+    with ot.training_step(400):
+        with ot.log_trace_span("forward"):
+            print("hung", flush=True)
+            time.sleep(600)
+"""
+
+
+def _kill_when_hung(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    child = subprocess.Popen([sys.executable, "-c", HUNG_CHILD, str(run)], stdout=subprocess.PIPE, text=True,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+    try:
+        assert child.stdout.readline().strip() == "hung"  # type: ignore[union-attr]
+        time.sleep(1.0)  # a digest or two taken while it hangs
+    finally:
+        child.kill()
+        child.wait()
+    return run
+
+
+def test_fast_sees_a_root_span_open_since_the_start_and_approximate_phases(tmp_path: Path) -> None:
+    run = _kill_when_hung(tmp_path)
+    full = summarize(run, warn=pytest.fail)
+    quick = summarize_fast(run, warn=pytest.fail)
+    assert quick["digests"] == 1
+    assert quick["unclosed"] == full["unclosed"]
+    assert [u["name"] for u in quick["unclosed"]] == ["train", "step", "forward"]
+    assert quick["processes"] == [{**row, "records": None} for row in full["processes"]]
+    exact = {row["name"]: row for row in full["phases"]}
+    assert {row["name"] for row in quick["phases"]} == {"step", "data_fetch", "forward"}
+    for row in quick["phases"]:
+        assert row["approx"] is True and row["count"] == exact[row["name"]]["count"]
+        for key in ("p50_ms", "p95_ms"):
+            assert row[key] == pytest.approx(exact[row["name"]][key], rel=0.01)
+        assert row["max_ms"] == pytest.approx(exact[row["name"]]["max_ms"], rel=1e-3)
+
+
+def test_without_the_digest_the_old_root_span_is_out_of_view(tmp_path: Path) -> None:
+    run = _kill_when_hung(tmp_path)
+    for path in (run / schema.STRUCTURED_LOGS_DIR).glob("*" + schema.DIGEST_SUFFIX):
+        path.unlink()
+    quick = summarize_fast(run, warn=pytest.fail)
+    assert quick["phases"] is None and quick["digests"] == 0
+    assert [u["name"] for u in quick["unclosed"]] == ["step", "forward"]  # why the digest keeps open spans
+
+
+CHURN_CHILD = r"""
+import sys
+import otel_train as ot
+ot.init(save_path=sys.argv[1], enabled=True, digest_s=0.001, heartbeat_s=0.2)  # a look every 50 ms
+step = 0
+while True:
+    step += 1
+    with ot.training_step(step):
+        for i in range(40):
+            with ot.log_trace_span(f"phase_{i}"):
+                pass
+"""
+
+
+def test_a_kill_during_a_digest_write_leaves_the_previous_digest_whole(tmp_path: Path) -> None:
+    decoder = msgspec.json.Decoder(Digest)
+    rng = random.Random(11)
+    seen = 0
+    for trial in range(12):
+        run = tmp_path / f"run{trial}"
+        child = subprocess.Popen([sys.executable, "-c", CHURN_CHILD, str(run)],
+                                 env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+        time.sleep(1.0 + rng.random())  # import, init, then a digest at each look (every 50 ms)
+        if trial == 0:
+            # Each digest is a new file renamed over the old one, never rewritten in place: a reader
+            # holding the old one open keeps reading it whole while the name moves on.
+            deadline = time.monotonic() + 20
+            while not list((run / schema.STRUCTURED_LOGS_DIR).glob("*" + schema.DIGEST_SUFFIX)):
+                assert time.monotonic() < deadline, "no digest written"
+                time.sleep(0.1)
+            (held,) = (run / schema.STRUCTURED_LOGS_DIR).glob("*" + schema.DIGEST_SUFFIX)
+            with held.open("rb") as f:
+                before = f.read()
+                time.sleep(2.5)
+                f.seek(0)
+                assert f.read() == before
+            assert decoder.decode(held.read_bytes()).seq > decoder.decode(before).seq
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        (pf,) = find_process_files(run)
+        digest = Path(schema.digest_file_name(str(pf.paths[-1])))
+        if digest.exists():
+            seen += 1
+            decoded = decoder.decode(digest.read_bytes())  # whole: never a torn or half-renamed file
+            assert decoded.seq > 0 and decoded.phases
+    assert seen >= 8
