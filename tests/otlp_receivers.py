@@ -85,8 +85,26 @@ def flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[dict[s
     return out
 
 
+def trace_sizes(request: trace_service_pb2.ExportTraceServiceRequest) -> dict[str, int]:
+    """Encoded bytes each trace id takes in ``request``: its spans, plus its resource and scope once per
+    batch that holds them (what a backend stores for the trace, as Tempo's ``max_bytes_per_trace`` counts)."""
+    out: dict[str, int] = {}
+    for resource_spans in request.resource_spans:
+        resource = resource_spans.resource.ByteSize()
+        for scope_spans in resource_spans.scope_spans:
+            scope = scope_spans.scope.ByteSize()
+            seen: set[str] = set()
+            for span in scope_spans.spans:
+                trace = span.trace_id.hex()
+                extra = 0 if trace in seen else resource + scope
+                seen.add(trace)
+                out[trace] = out.get(trace, 0) + span.ByteSize() + extra
+    return out
+
+
 class _Receiver:
-    """What both receivers share: the received spans and request headers, and waiting for them."""
+    """What both receivers share: the received spans, request headers and bytes per trace, and waiting
+    for them."""
 
     endpoint: str
 
@@ -94,10 +112,13 @@ class _Receiver:
         self._cond = threading.Condition()
         self._spans: list[dict[str, Any]] = []
         self._headers: list[dict[str, str]] = []
+        self._trace_bytes: dict[str, int] = {}
 
     def _record(self, request: trace_service_pb2.ExportTraceServiceRequest, headers: dict[str, str]) -> None:
-        spans = flatten(request)
+        spans, sizes = flatten(request), trace_sizes(request)
         with self._cond:
+            for trace, size in sizes.items():
+                self._trace_bytes[trace] = self._trace_bytes.get(trace, 0) + size
             self._spans.extend(spans)
             self._headers.append(headers)
             self._cond.notify_all()
@@ -111,6 +132,11 @@ class _Receiver:
         """The headers (gRPC metadata) of each export request received, keys lower-cased."""
         with self._cond:
             return list(self._headers)
+
+    def trace_bytes(self) -> dict[str, int]:
+        """Encoded bytes received so far per trace id (:func:`trace_sizes`, summed over requests)."""
+        with self._cond:
+            return dict(self._trace_bytes)
 
     def wait_for(self, n: int, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Block until at least ``n`` spans arrived, then return them all; ``TimeoutError`` otherwise."""

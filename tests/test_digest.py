@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -13,11 +14,14 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from analysis_fixtures import Proc, write_run
 
 from otel_train import schema
+from otel_train.analysis import fast, records
 from otel_train.analysis.fast import summarize_fast
 from otel_train.analysis.records import Digest, find_process_files
 from otel_train.analysis.summary import summarize
+from otel_train.phases import DATA_FETCH
 
 HUNG_CHILD = r"""
 import os, random, sys, time
@@ -52,10 +56,20 @@ def _kill_when_hung(tmp_path: Path) -> Path:
     return run
 
 
-def test_fast_sees_a_root_span_open_since_the_start_and_approximate_phases(tmp_path: Path) -> None:
+def test_fast_sees_a_root_span_open_since_the_start_and_approximate_phases(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = _kill_when_hung(tmp_path)
     full = summarize(run, warn=pytest.fail)
+    windows = []
+
+    def read_tail(pf, nbytes, bad):  # the real reader; this only notes how far back --fast looked
+        windows.append(nbytes)
+        return records.read_tail(pf, nbytes, bad)
+
+    monkeypatch.setattr(fast, "read_tail", read_tail)
     quick = summarize_fast(run, warn=pytest.fail)
+    (trace,) = (run / schema.STRUCTURED_LOGS_DIR).glob("*.jsonl")
+    assert windows == [fast.FIRST_WINDOW] < [trace.stat().st_size]  # the root span came from the digest
     assert quick["digests"] == 1
     assert quick["unclosed"] == full["unclosed"]
     assert [u["name"] for u in quick["unclosed"]] == ["train", "step", "forward"]
@@ -124,3 +138,30 @@ def test_a_kill_during_a_digest_write_leaves_the_previous_digest_whole(tmp_path:
             decoded = decoder.decode(digest.read_bytes())  # whole: never a torn or half-renamed file
             assert decoded.seq > 0 and decoded.phases
     assert seen >= 8
+
+
+def test_a_span_open_at_the_digest_that_ended_before_the_tail_is_not_unclosed(tmp_path: Path) -> None:
+    proc = Proc(rank=0, world_size=1)
+    train = proc.start("train")
+    proc.steps(range(10))
+    proc.set_step(10)
+    step10 = proc.start("step")
+    taken = len(proc.lines)  # the digest: taken here, with train and step 10 open
+    proc.advance(2)
+    proc.end()
+    proc.steps(range(11, 400))  # far more than the first tail window
+    proc.stop_inside(400, [DATA_FETCH])
+    logs = write_run(tmp_path, [proc])
+    (trace,) = logs.glob("*.jsonl")
+    starts = {r["span_id"]: r for r in map(json.loads, proc.lines[:taken]) if r["kind"] == "span_start"}
+    digest = {"v": 1, "ts": starts[step10]["ts"], "seq": taken,
+              "file": {"ino": trace.stat().st_ino, "size": sum(len(line) + 1 for line in proc.lines[:taken])},
+              "open": [{"span_id": sid, "name": starts[sid]["name"], "parent_span_id": starts[sid].get("parent_span_id"),
+                        "trace_id": starts[sid]["trace_id"], "step": starts[sid].get("step"),
+                        "start_ts": starts[sid]["ts"], "tid": 1} for sid in (train, step10)],
+              "gamma": 1.02, "phases": {}}
+    Path(schema.digest_file_name(str(trace))).write_text(json.dumps(digest))
+    full = summarize(tmp_path, warn=pytest.fail)
+    quick = summarize_fast(tmp_path, warn=pytest.fail)
+    assert quick["unclosed"] == full["unclosed"]
+    assert [(u["name"], u["step"]) for u in quick["unclosed"]] == [("train", None), ("step", 400), (DATA_FETCH, 400)]

@@ -10,7 +10,8 @@ the same rules a full summarize uses, so ``processes``, ``unclosed`` and the ``h
 
 The per-process digest the runtime keeps beside its file (docs/schema.md, "Digests") adds what a
 tail cannot show: a span that began long before the tail and is still open (its open spans, with the
-file size when it was taken), and the ``phases`` (merged duration sketches: approximate, each row says
+file size when it was taken: the bytes written since are scanned, not decoded, for their ends), and
+the ``phases`` (merged duration sketches: approximate, each row says
 ``"approx": true``). Without digests ``phases`` is ``null``.
 """
 
@@ -29,7 +30,7 @@ from otel_train.analysis.records import (
     ProcessFiles,
     SpanEnd,
     Warn,
-    bytes_since,
+    ended_since,
     read_digest,
     read_tail,
 )
@@ -69,19 +70,17 @@ def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines,
     """A process's state from the smallest tail window that shows where it stopped (and, with its
     digest, every span still open however long ago it began)."""
     size = FIRST_WINDOW
+    held = {span.span_id for span in digest.open} if digest is not None else set()
     while True:
         state, records, whole, window_bad = _window(pf, attempt, meta, size)
-        if whole or _complete(state, records):
+        if whole or _complete(state, records, held):
             break
         size *= 4
     if digest is not None and not whole:
         missing = _open_before(digest, state, records)
-        since = bytes_since(pf, digest.file.ino, digest.file.size) if missing else None
-        if since is not None and since > size:  # the window must reach back to the digest
-            state, records, whole, window_bad = _window(pf, attempt, meta, since)
-            missing = _open_before(digest, state, records)
-        if since is not None:
-            for span in missing:  # open at the digest and not ended since: open still
+        ended = ended_since(pf, digest.file.ino, digest.file.size, [m.span_id for m in missing]) if missing else None
+        for span in missing if ended is not None else ():
+            if span.span_id not in ended:  # open at the digest and not ended since: open still
                 state.opened[span.span_id] = span.start_record()
     bad.absorb(window_bad)
     state.malformed = window_bad.count
@@ -99,8 +98,9 @@ def _window(pf: ProcessFiles, attempt: int, meta: Head | None, size: int
     return state, records, whole, window_bad
 
 
-def _complete(state: ProcessState, records: list[AnyRecord]) -> bool:
-    """Whether a window (not the whole file) shows the last step from its start and every open span."""
+def _complete(state: ProcessState, records: list[AnyRecord], held: set[str]) -> bool:
+    """Whether a window (not the whole file) shows the last step from its start and every open span
+    (or the digest holds the open span's parent: ``held``)."""
     steps = [r.step for r in records if r.step is not None]
     if not steps or min(steps) >= (state.final_step or 0):
         return False  # the window must begin before the last step did
@@ -108,7 +108,7 @@ def _complete(state: ProcessState, records: list[AnyRecord]) -> bool:
     opened = state.opened
     for rec in opened.values():
         parent = rec.parent_span_id
-        if parent is not None and parent not in opened and parent not in ended:
+        if parent is not None and parent not in opened and parent not in ended and parent not in held:
             return False  # its parent began before the window and is still open
     return True
 

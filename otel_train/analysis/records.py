@@ -318,19 +318,49 @@ def read_digest(pf: ProcessFiles, warn: Warn) -> Digest | None:
         return None
 
 
-def bytes_since(pf: ProcessFiles, ino: int, size: int) -> int | None:
-    """Bytes a process wrote after its active file (inode ``ino``) was ``size`` long; None when that
-    segment is gone (rotated away)."""
-    total = 0
-    for path in reversed(pf.paths):
+def ended_since(pf: ProcessFiles, ino: int, size: int, span_ids: Iterable[str]) -> set[str] | None:
+    """Which of ``span_ids`` a process ended after its active file (inode ``ino``) was ``size`` long;
+    None when that segment is gone (rotated away).
+
+    A scan of raw bytes, not a decode: each id's ``"span_id":"<id>"`` (the quote before it rules out
+    ``parent_span_id``) on a ``span_end`` line. What the runtime wrote after a digest is at most
+    ``digest_s`` of records, so this stays cheap however big the files are.
+    """
+    wanted = {sid: b'"span_id":"%s"' % sid.encode() for sid in span_ids}
+    paths = list(pf.paths)
+    for i, path in enumerate(paths):
         try:
-            st = path.stat()
+            if path.stat().st_ino == ino:
+                break
         except OSError:
             continue
-        if st.st_ino == ino:
-            return total + max(0, st.st_size - size)
-        total += st.st_size
-    return None
+    else:
+        return None
+    ended: set[str] = set()
+    for j, path in enumerate(paths[i:]):
+        _scan_ends(path, size if j == 0 else 0, wanted, ended)
+    return ended
+
+
+def _scan_ends(path: Path, offset: int, wanted: dict[str, bytes], ended: set[str]) -> None:
+    try:
+        f = open_regular(path)
+    except OSError:
+        return
+    with f:
+        f.seek(offset)
+        carry = b""
+        while block := f.read(_CHUNK_BYTES):
+            data = carry + block
+            cut = data.rfind(b"\n") + 1
+            data, carry = data[:cut], data[cut:]
+            for sid, needle in wanted.items():
+                at = data.find(needle)
+                while at >= 0 and sid not in ended:
+                    line = data[data.rfind(b"\n", 0, at) + 1:data.find(b"\n", at)]
+                    if b'"kind":"span_end"' in line:
+                        ended.add(sid)
+                    at = data.find(needle, at + 1)
 
 
 class BadLines:
