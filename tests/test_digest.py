@@ -140,7 +140,10 @@ def test_a_kill_during_a_digest_write_leaves_the_previous_digest_whole(tmp_path:
     assert seen >= 8
 
 
-def test_a_span_open_at_the_digest_that_ended_before_the_tail_is_not_unclosed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tid", [1, 2], ids=["outnested-on-its-thread", "found-in-the-bytes-since"])
+def test_a_span_open_at_the_digest_that_ended_before_the_tail_is_not_unclosed(tmp_path: Path, tid: int) -> None:
+    # On its own thread (tid 1) a later span under ``train`` shows step 10 ended; told it ran on another
+    # thread (tid 2), the reader must find step 10's end record in the bytes written since the digest.
     proc = Proc(rank=0, world_size=1)
     train = proc.start("train")
     proc.steps(range(10))
@@ -158,7 +161,7 @@ def test_a_span_open_at_the_digest_that_ended_before_the_tail_is_not_unclosed(tm
               "file": {"ino": trace.stat().st_ino, "size": sum(len(line) + 1 for line in proc.lines[:taken])},
               "open": [{"span_id": sid, "name": starts[sid]["name"], "parent_span_id": starts[sid].get("parent_span_id"),
                         "trace_id": starts[sid]["trace_id"], "step": starts[sid].get("step"),
-                        "start_ts": starts[sid]["ts"], "tid": 1} for sid in (train, step10)],
+                        "start_ts": starts[sid]["ts"], "tid": 1 if sid == train else tid} for sid in (train, step10)],
               "gamma": 1.02, "phases": {}}
     Path(schema.digest_file_name(str(trace))).write_text(json.dumps(digest))
     full = summarize(tmp_path, warn=pytest.fail)

@@ -26,9 +26,11 @@ from otel_train.analysis.records import (
     AnyRecord,
     BadLines,
     Digest,
+    DigestSpan,
     Head,
     ProcessFiles,
     SpanEnd,
+    SpanStart,
     Warn,
     ended_since,
     read_digest,
@@ -77,11 +79,8 @@ def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines,
             break
         size *= 4
     if digest is not None and not whole:
-        missing = _open_before(digest, state, records)
-        ended = ended_since(pf, digest.file.ino, digest.file.size, [m.span_id for m in missing]) if missing else None
-        for span in missing if ended is not None else ():
-            if span.span_id not in ended:  # open at the digest and not ended since: open still
-                state.opened[span.span_id] = span.start_record()
+        for span in _still_open(pf, digest, state, records):
+            state.opened[span.span_id] = span.start_record()
     bad.absorb(window_bad)
     state.malformed = window_bad.count
     state.first_step = meta.step if meta is not None else None  # restarts report where they began
@@ -113,10 +112,48 @@ def _complete(state: ProcessState, records: list[AnyRecord], held: set[str]) -> 
     return True
 
 
-def _open_before(digest: Digest, state: ProcessState, records: list[AnyRecord]) -> list[Any]:
-    """The digest's open spans that the window neither saw begin nor end."""
+def _still_open(pf: ProcessFiles, digest: Digest, state: ProcessState, records: list[AnyRecord]) -> list[DigestSpan]:
+    """The digest's open spans that the window neither saw begin nor end and that are open still.
+
+    Most are settled by the window itself: a span named as a parent in it was open then and did not end
+    in it; one a later span on its thread outnested has ended (:func:`_outnested`). The rest are looked
+    for in the bytes written since the digest (:func:`~otel_train.analysis.records.ended_since`).
+    """
     seen = set(state.opened) | {r.span_id for r in records if type(r) is SpanEnd}
-    return [span for span in digest.open if span.span_id not in seen]
+    missing = {span.span_id: span for span in digest.open if span.span_id not in seen}
+    parents = {r.parent_span_id for r in records}
+    open_now = [span for sid, span in missing.items() if sid in parents]
+    unsure = [span for sid, span in missing.items() if sid not in parents and sid not in _outnested(digest, records)]
+    if unsure:
+        ended = ended_since(pf, digest.file.ino, digest.file.size, [span.span_id for span in unsure])
+        open_now += [span for span in unsure if ended is not None and span.span_id not in ended]
+    return open_now
+
+
+def _outnested(digest: Digest, records: list[AnyRecord]) -> set[str]:
+    """Digest-open spans that have ended because a span began on their thread after the digest outside them.
+
+    Spans on one thread nest (each is a context manager), so a span that starts after the digest under
+    ancestor A (or as a root) means every span the digest held open on that thread below A has ended.
+    """
+    later = {r.span_id: r for r in records if type(r) is SpanStart and r.ts > digest.ts}
+    held: dict[int | None, dict[str, DigestSpan]] = {}
+    for span in digest.open:
+        held.setdefault(span.tid, {})[span.span_id] = span
+    closed: set[str] = set()
+    for rec in later.values():
+        stack = held.get(rec.tid)
+        anchor = rec.parent_span_id
+        while anchor in later:
+            anchor = later[anchor].parent_span_id  # type: ignore[index]
+        if not stack or (anchor is not None and anchor not in stack):
+            continue  # its ancestry leaves the thread's stack: nothing follows
+        kept = set()
+        while anchor is not None and anchor in stack:
+            kept.add(anchor)
+            anchor = stack[anchor].parent_span_id
+        closed |= stack.keys() - kept
+    return closed
 
 
 def digest_phases(run: Run, digests: list[Digest | None]) -> list[dict[str, Any]] | None:
