@@ -140,6 +140,22 @@ def test_a_single_rank_or_no_collective_has_nothing_to_compare(tmp_path: Path) -
     assert out["steps"] == 11 and out["sync"] == [FORWARD]
 
 
+def test_a_collective_span_without_a_step_is_left_out(tmp_path: Path) -> None:
+    # Found by fuzzing: a backward span outside any step left an empty key column, and whatif raised.
+    procs = [Proc(rank=r, world_size=2) for r in range(2)]
+    for p in procs:
+        p.start(BACKWARD)  # before the first set_step: no step on its records
+        p.advance(4)
+        p.end()
+    write_run(tmp_path / "stepless", procs)
+    assert whatif(load_run(tmp_path / "stepless"))["steps"] == 0
+    for p in procs:
+        p.steps(range(6), {FORWARD: 2.0, BACKWARD: 3.0})
+        p.shutdown()
+    write_run(tmp_path / "mixed", procs)
+    assert whatif(load_run(tmp_path / "mixed"))["steps"] == 5  # the stepless span is simply not a step
+
+
 def test_whatif_cli_json_text_and_exit_codes(tmp_path: Path) -> None:
     import json
 

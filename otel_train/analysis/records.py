@@ -217,6 +217,11 @@ class SpanEnd(Record, tag=schema.SPAN_END):
     def event(self) -> str:
         return self.name + schema.END_SUFFIX
 
+    def began(self) -> float:
+        """When the span began by this record alone: ``dur_ms`` before its end, never before 1970 (a
+        hostile duration would give a time no OTLP or Perfetto field can hold)."""
+        return max(0.0, self.ts - (self.dur_ms or 0.0) / 1000.0)
+
 
 class Instant(Record, tag=schema.INSTANT):
     """A point event (the runtime's own: process_start/end, exception, heartbeat, stall, ...)."""

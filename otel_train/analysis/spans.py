@@ -278,7 +278,7 @@ class ProcessState:
         if started is not None:
             start_ts = started.ts
         else:  # its start record rotated away: it began dur_ms before its end
-            start_ts = rec.ts - (rec.dur_ms or 0.0) / 1000.0
+            start_ts = rec.began()
         parent = started.parent_span_id if started is not None else rec.parent_span_id
         tid = started.tid if started is not None else rec.tid
         if self.keep:

@@ -85,7 +85,8 @@ def _events(d: ProcessState, sync: Sequence[str]) -> _Events:
     k, e, du = np.concatenate(keys), np.concatenate(ends), np.concatenate(durs)
     order = np.lexsort((e, k))
     k, e, du = k[order], e[order], du[order]
-    last = np.append(k[1:] != k[:-1], True)  # several spans of one key (gradient accumulation): the last syncs
+    last = np.ones(k.size, dtype=bool)  # several spans of one key (gradient accumulation): the last syncs
+    last[:-1] = k[1:] != k[:-1]
     k, e, du = k[last], e[last], du[last]
     return _Events(k, e - du / 1000.0, e, du)
 

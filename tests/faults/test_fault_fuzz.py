@@ -331,3 +331,18 @@ def test_one_odd_record_never_aborts_a_command(scratch: Path, label: str, receiv
                 result = _invoke(_args(command, root, True, receiver.endpoint))
             assert result.exit_code == 0, (command, result.output[-2000:], result.exception)
             assert "Traceback" not in result.output and "malformed" in result.stderr, (command, result.stderr)
+
+
+def test_an_end_whose_duration_reaches_before_1970(scratch: Path, receiver: GrpcOtlpReceiver) -> None:
+    """Found by fuzzing: an orphan end at ts 0 with dur_ms 8688 began at a negative time, which no OTLP or
+    Perfetto field holds, and push and export failed. A span never begins before 1970."""
+    end = {**json.loads(VALID_RUN[2]), "ts": 0.0, "dur_ms": 8688.9, "span_id": "3" * 16, "status": "incomplete"}
+    run = {"files": {S.trace_file_name("training", 0, "20260101-000000", "a1b2c3"):
+                     b"\n".join([*VALID_RUN, json.dumps(end).encode()]) + b"\n"}, "odd": []}
+    before = len(receiver.spans())
+    for command in COMMANDS:
+        with written(scratch, run) as root:
+            result = _invoke(_args(command, root, True, receiver.endpoint))
+        assert result.exit_code == 0, (command, result.output[-2000:], result.exception)
+    pushed = {s["span_id"]: s for s in receiver.spans()[before:]}
+    assert pushed["3" * 16]["start_time_unix_nano"] == 0 and pushed["3" * 16]["end_time_unix_nano"] == 0

@@ -108,10 +108,7 @@ def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:
         if ranks is not None and pf.rank not in ranks:
             continue
         for rec in peek(pf):
-            ts = rec.ts
-            if type(rec) is SpanEnd and rec.dur_ms is not None:
-                ts -= rec.dur_ms / 1000.0
-            best = min(best, ts)
+            best = min(best, rec.began() if type(rec) is SpanEnd else rec.ts)
     return 0.0 if best == math.inf else best
 
 
