@@ -58,6 +58,7 @@ bench: install
 	$(BIN)/python benchmarks/train_overhead.py
 	$(BIN)/python benchmarks/analysis_throughput.py
 	$(BIN)/python benchmarks/watch_scale.py
+	$(BIN)/python benchmarks/scale_sim.py
 
 clean:
 	rm -rf runs build dist *.egg-info .pytest_cache
