@@ -44,7 +44,7 @@ GROUP = 64  # the default trace_group_size
 
 def generate(root: Path, ranks: int, kib_per_rank: int, hang_rank: int, digest_age_s: float) -> Path:
     """Write (or reuse) a run of ``ranks`` files of about ``kib_per_rank`` KiB each; returns the run dir."""
-    run = root / f"scale-{ranks}x{kib_per_rank}k-hang{hang_rank}-age{digest_age_s:g}"
+    run = root / f"scale2-{ranks}x{kib_per_rank}k-hang{hang_rank}-age{digest_age_s:g}"
     if (run / ".complete").exists():
         return run
     shutil.rmtree(run, ignore_errors=True)
@@ -123,7 +123,9 @@ class _RankWriter:
         path.write_text("\n".join(self.lines) + "\n")
         assert self.digest is not None
         self.digest["file"]["ino"] = path.stat().st_ino
-        Path(schema.digest_file_name(str(path))).write_text(json.dumps(self.digest))
+        digest = Path(schema.digest_file_name(str(path)))
+        digest.parent.mkdir(exist_ok=True)
+        digest.write_text(json.dumps(self.digest))
 
     def one_step(self, step: int, root: str, *, last: bool, digest: bool) -> None:
         step_id, step_start = f"{self.rng.getrandbits(64):016x}", self.ts

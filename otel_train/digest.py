@@ -1,6 +1,6 @@
 """Per-process digests: what ``summarize --fast`` needs that a file's tail cannot give, in a small file.
 
-Beside its active trace file each process keeps ``….<stamp>-<rand>.digest.json`` (docs/schema.md,
+Each process keeps ``<run>/digests/<its active trace file's name>.digest.json`` (docs/schema.md,
 "Digests"), written by the watchdog's thread every ``digest_s`` seconds while the file grows and once at
 shutdown: the per-name duration sketch (``otel_train.sketch``: counts, ±1 % quantiles, mergeable
 across ranks), and, taken at one instant under the write lock, the record count, the file's inode and
@@ -57,6 +57,7 @@ class DigestWriter:
                 "open": [_open_span(*entry) for entry in entries],
                 "gamma": GAMMA, "phases": sketch.snapshot(),
             }
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)  # made here: the run dir may be re-created
             with open(self._tmp, "wb") as f:
                 f.write(_encode(body))
             os.replace(self._tmp, self.path)

@@ -7,6 +7,7 @@ names, kinds and file-name rules from here, so neither needs to know the other's
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 
 SCHEMA_VERSION = 1
@@ -90,12 +91,17 @@ def step_anchor_span_id(run_id: str, step: int, attempt: int) -> int:
     return int.from_bytes(digest[:8], "big") or 1
 
 
+DIGESTS_DIR = "digests"
 DIGEST_SUFFIX = ".digest.json"
 
 
 def digest_file_name(trace_file: str) -> str:
-    """The digest beside a process's active trace file: ``….<stamp>-<rand>.digest.json`` (docs/schema.md)."""
-    return trace_file[: -len(FILE_SUFFIX)] + DIGEST_SUFFIX if trace_file.endswith(FILE_SUFFIX) else trace_file + DIGEST_SUFFIX
+    """A process's digest, named after its active trace file, in the run's ``digests/`` folder beside
+    ``structured_logs/`` (which holds trace files only): ``<run>/digests/….<stamp>-<rand>.digest.json``
+    (docs/schema.md, "Digests")."""
+    logs, name = os.path.split(trace_file)
+    stem = name[: -len(FILE_SUFFIX)] if name.endswith(FILE_SUFFIX) else name
+    return os.path.join(os.path.dirname(logs), DIGESTS_DIR, stem + DIGEST_SUFFIX)
 
 
 def trace_file_name(source: str, rank: int, stamp: str, rand: str) -> str:

@@ -85,7 +85,7 @@ def test_fast_sees_a_root_span_open_since_the_start_and_approximate_phases(
 
 def test_without_the_digest_the_old_root_span_is_out_of_view(tmp_path: Path) -> None:
     run = _kill_when_hung(tmp_path)
-    for path in (run / schema.STRUCTURED_LOGS_DIR).glob("*" + schema.DIGEST_SUFFIX):
+    for path in (run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX):
         path.unlink()
     quick = summarize_fast(run, warn=pytest.fail)
     assert quick["phases"] is None and quick["digests"] == 0
@@ -119,10 +119,10 @@ def test_a_kill_during_a_digest_write_leaves_the_previous_digest_whole(tmp_path:
             # Each digest is a new file renamed over the old one, never rewritten in place: a reader
             # holding the old one open keeps reading it whole while the name moves on.
             deadline = time.monotonic() + 20
-            while not list((run / schema.STRUCTURED_LOGS_DIR).glob("*" + schema.DIGEST_SUFFIX)):
+            while not list((run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX)):
                 assert time.monotonic() < deadline, "no digest written"
                 time.sleep(0.1)
-            (held,) = (run / schema.STRUCTURED_LOGS_DIR).glob("*" + schema.DIGEST_SUFFIX)
+            (held,) = (run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX)
             with held.open("rb") as f:
                 before = f.read()
                 time.sleep(2.5)
@@ -163,6 +163,7 @@ def test_a_span_open_at_the_digest_that_ended_before_the_tail_is_not_unclosed(tm
                         "trace_id": starts[sid]["trace_id"], "step": starts[sid].get("step"),
                         "start_ts": starts[sid]["ts"], "tid": 1 if sid == train else tid} for sid in (train, step10)],
               "gamma": 1.02, "phases": {}}
+    Path(schema.digest_file_name(str(trace))).parent.mkdir()
     Path(schema.digest_file_name(str(trace))).write_text(json.dumps(digest))
     full = summarize(tmp_path, warn=pytest.fail)
     quick = summarize_fast(tmp_path, warn=pytest.fail)

@@ -84,9 +84,8 @@ def test_dataloader_workers_add_no_records(clean_run: Path) -> None:
         assert len({r["pid"] for r in records}) == 1  # the rank's own process only
         fetches = [r for r in records if r["kind"] == schema.SPAN_END and r["name"] == phases.DATA_FETCH]
         assert len(fetches) == 4 and {r["status"] for r in fetches} == {schema.STATUS_OK}
-    logs = clean_run / schema.STRUCTURED_LOGS_DIR
-    assert len(list(logs.glob("*" + schema.FILE_SUFFIX))) == 2  # a trace file per rank, and no more
-    assert len(list(logs.glob("*" + schema.DIGEST_SUFFIX))) == 2  # and the digest beside each
+    assert len(list((clean_run / schema.STRUCTURED_LOGS_DIR).iterdir())) == 2  # a trace file per rank, no more
+    assert len(list((clean_run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX))) == 2  # a digest for each
 
 
 def test_lifecycle_records_and_redacted_environment(clean_run: Path) -> None:

@@ -21,7 +21,7 @@ from otel_train.watchdog import DurationSketch, Watchdog
 
 def _records(save_path: Path) -> list[dict[str, Any]]:
     out = []
-    for path in sorted((save_path / schema.STRUCTURED_LOGS_DIR).glob("*" + schema.FILE_SUFFIX + "*")):
+    for path in sorted((save_path / schema.STRUCTURED_LOGS_DIR).iterdir()):
         out += [json.loads(line) for line in path.read_text().splitlines()]
     return out
 
