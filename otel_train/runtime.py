@@ -354,7 +354,13 @@ def _start_watchdog(rt: _Runtime) -> None:
     watchdog = rt.watchdog = Watchdog(jsonl, heartbeat_s=settings.heartbeat_s, stall_min_s=settings.stall_min_s,
                                       stall_factor=settings.stall_factor, digest=digest)
     jsonl.ended = watchdog.ended
-    rt.undo.append(watchdog.start().stop)
+    watchdog.start()
+
+    def stop() -> None:
+        watchdog.stop()
+        jsonl.ended = None  # what shutdown then ends as incomplete is no duration: the final digest leaves it out
+
+    rt.undo.append(stop)
 
 
 def shutdown(timeout_s: float = 5.0) -> None:

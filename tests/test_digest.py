@@ -169,3 +169,17 @@ def test_a_span_open_at_the_digest_that_ended_before_the_tail_is_not_unclosed(tm
     quick = summarize_fast(tmp_path, warn=pytest.fail)
     assert quick["unclosed"] == full["unclosed"]
     assert [(u["name"], u["step"]) for u in quick["unclosed"]] == [("train", None), ("step", 400), (DATA_FETCH, 400)]
+
+
+def test_the_shutdown_digest_leaves_out_spans_ended_as_incomplete(tmp_path: Path) -> None:
+    code = ("import sys, otel_train as ot\n"
+            "ot.init(save_path=sys.argv[1], enabled=True, run_id='digest-shutdown')\n"
+            "for _ in range(3):\n    with ot.log_trace_span('forward'):\n        pass\n"
+            "ot.log_trace_span('checkpoint').__enter__()  # still open at shutdown: ended as incomplete\n"
+            "ot.shutdown()\n")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60,
+                   env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+    full, quick = summarize(tmp_path, warn=pytest.fail), summarize_fast(tmp_path, warn=pytest.fail)
+    assert quick["digests"] == 1
+    assert [(r["name"], r["count"]) for r in quick["phases"]] == [(r["name"], r["count"]) for r in full["phases"]] == [
+        ("forward", 3)]
