@@ -93,8 +93,8 @@ class _RankWriter:
         self.line("span_end", name, sid, parent, step, f',"dur_ms":{dur_s * 1000:.3f},"status":"ok"')
         del self.open[sid]
         ns = int(dur_s * 1e9)
-        counts = self.buckets[name]
-        counts[sketch.bucket(ns)] = counts.get(sketch.bucket(ns), 0) + 1
+        counts, index = self.buckets[name], sketch.bucket(ns)
+        counts[index] = counts.get(index, 0) + 1
         total = self.totals[name]
         total[0] += 1
         total[1] += dur_s * 1000

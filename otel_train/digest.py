@@ -4,8 +4,8 @@ Each process keeps ``<run>/digests/<its active trace file's name>.digest.json`` 
 "Digests"), written by the watchdog's thread every ``digest_s`` seconds while the file grows and once at
 shutdown: the per-name duration sketch (``otel_train.sketch``: counts, ±1 % quantiles, mergeable
 across ranks), and, taken at one instant under the write lock, the record count, the file's inode and
-size, and every open span. A reader adds the records after that size to the digest's open spans and
-knows every span open at the end, however long ago it began. Written to a temporary file and renamed
+size, and every open span. With the records after that size a reader knows every span open at the
+end, however long ago it began (docs/analysis.md, "Fast summarize and digests"). Written to a temporary file and renamed
 into place, so a kill mid-write leaves the previous digest whole.
 """
 
