@@ -130,3 +130,33 @@ ATTR_ITERATION = "training.iteration"
 ATTR_TAGS = "training.tags"
 ATTR_LINK = "otel_train.link"  # on a span link: why it is there ("step_anchor")
 LINK_STEP_ANCHOR = "step_anchor"
+
+# Communication (docs/comm.md): every collective and point-to-point op is a span named
+# ``comm.<op>``; a ``comm.group`` instant describes each process group once per member process; an
+# ``otel_train.mesh`` instant places the rank in the parallel layout (``ot.set_mesh``).
+COMM_PREFIX = "comm."
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "barrier",
+            "gather", "scatter", "send", "recv")
+P2P_OPS = ("send", "recv")
+ATTR_COMM_GROUP = "comm.group"  # str: the process group's id, the same in every member's records
+ATTR_COMM_SEQ = "comm.seq"  # int: collective_seq_id in the group; for p2p, the k-th send/recv of the pair
+ATTR_COMM_PEER = "comm.peer"  # int: the other side's global rank (send/recv)
+ATTR_COMM_BYTES = "comm.bytes"  # int
+ATTR_COMM_DTYPE = "comm.dtype"  # str
+ATTR_COMM_CLOCK = "comm.clock"  # "host" | "device"
+COMM_CLOCK_HOST = "host"
+COMM_CLOCK_DEVICE = "device"
+INSTANT_COMM_GROUP = "comm.group"  # attrs: group, desc, ranks
+INSTANT_MESH = "otel_train.mesh"  # attrs: dims {name: size}, coords {name: index}
+ATTR_MICROBATCH = "microbatch"  # pipeline compute spans
+ATTR_CHUNK = "chunk"  # pipeline virtual stage
+
+
+def comm_span_name(op: str) -> str:
+    """``comm.<op>`` for one of :data:`COMM_OPS`."""
+    return COMM_PREFIX + op
+
+
+def comm_op_of(name: str) -> str | None:
+    """The op of a ``comm.*`` span name, None for any other name."""
+    return name[len(COMM_PREFIX):] if name.startswith(COMM_PREFIX) and name != INSTANT_COMM_GROUP else None
