@@ -134,11 +134,16 @@ def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
     assert not any(f["phase"] == BACKWARD and f["rank"] == 0 for f in out["findings"])
 
 
-def test_clean_against_clean_raises_nothing(runs: dict[str, Path]) -> None:
-    if not calm(runs):
-        saturated(runs, "two clean runs differ for real")
+CLEAN_TOLERANCE_MS = SLOW_MS / 3
+"""Two real clean runs differ for real (the machine's load is not the same for both), by a few ms of
+CPU work at most here; the statistics themselves are tested on synthetic runs with known
+autocorrelation (tests/test_diff.py). What must hold whatever the load: diff never reports a change
+between two clean runs as large as a third of the straggler's."""
+
+
+def test_clean_against_clean_raises_nothing_large(runs: dict[str, Path]) -> None:
     out = diff_runs(load_run(runs["clean"]), load_run(runs["clean_2"]))
-    assert out["findings"] == [], out["findings"]
+    assert all(abs(f["delta_ms"]) < CLEAN_TOLERANCE_MS for f in out["findings"]), out["findings"]
 
 
 def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path]) -> None:

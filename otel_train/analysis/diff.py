@@ -6,6 +6,17 @@ two-sided Mann–Whitney U p-value (ranks only, so skewed durations are fine). A
 only when it is both significant (p < ``max_p``) and big enough to matter (at least ``min_pct`` of
 A's median and ``min_ms``).
 
+What is tested is what is independent (docs/analysis.md "Diff"). Consecutive steps are not: load
+comes and goes over many steps and moves every rank alike. So:
+
+* a rank is judged on its time *relative to its peers at the same step* (its per-step time over the
+  median of the other ranks'): load that every rank of the run shares cancels out;
+* a phase (all ranks) is judged on its per-step median over the ranks;
+* either series is cut into blocks of consecutive steps at least twice its integrated
+  autocorrelation time long (:func:`block_medians`), and the Mann–Whitney test compares the blocks'
+  medians: a slow minute of one run counts once, not once per step. Fewer than :data:`MIN_BLOCKS`
+  blocks on either side are never significant.
+
 Culprits, not victims: time a rank spends in a collective phase (``backward``) waiting for a late
 peer is not that phase's work, so collective phases are judged on their own time (the what-if
 model's tail: from the last rank's arrival to leaving; docs/analysis.md "What-if"), a change
@@ -16,6 +27,7 @@ that contains others (``step``) gets none: its change is theirs.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +52,90 @@ class Thresholds:
 
 
 Samples = dict[tuple[int, str], np.ndarray]
+Keyed = dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+"""Per (rank, phase): (step of each value, value), in step order."""
+
+BLOCK_MIN = 5
+"""Values per block at least."""
+MAX_BLOCKS = 24
+"""Blocks per series at most (longer series get longer blocks)."""
+MIN_BLOCKS = 5
+"""Fewer blocks than this on either side: never significant (5 against 5 reach p = 0.008 at best)."""
+
+
+def autocorrelation_time(x: np.ndarray) -> float:
+    """Integrated autocorrelation time 1 + 2 Σ ρ_k of a series, summed while the pairs ρ_k + ρ_k+1 stay
+    positive (Geyer's initial positive sequence): 1 for independent values, (1 + ρ) / (1 − ρ) for AR(1)."""
+    n = x.size
+    if n < 4 or not np.ptp(x) > 0:
+        return 1.0
+    d = x - x.mean()
+    acf = np.correlate(d, d, "full")[n - 1:] / (d @ d)
+    tau = 1.0
+    for k in range(1, n // 2 - 1, 2):
+        pair = acf[k] + acf[k + 1]
+        if pair <= 0:
+            break
+        tau += 2.0 * pair
+    return tau
+
+
+def block_medians(x: np.ndarray) -> np.ndarray:
+    """Medians of consecutive blocks of ``x``: blocks at least :data:`BLOCK_MIN` values and twice the
+    series' autocorrelation time long, at most :data:`MAX_BLOCKS` of them; the remainder joins the last."""
+    if x.size == 0:
+        return x
+    size = max(BLOCK_MIN, math.ceil(2.0 * autocorrelation_time(x)), math.ceil(x.size / MAX_BLOCKS))
+    count = max(1, x.size // size)
+    edges = [i * size for i in range(count)] + [x.size]
+    return np.array([np.median(x[lo:hi]) for lo, hi in zip(edges, edges[1:])])
+
+
+def _block_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sided Mann–Whitney p of the block medians of two series (1.0 with too few blocks)."""
+    ba, bb = block_medians(a), block_medians(b)
+    return mann_whitney(ba, bb)[1] if min(ba.size, bb.size) >= MIN_BLOCKS else 1.0
+
+
+def _per_step(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Values summed per step (a step-less value counts as a step of its own), in step order."""
+    keys = np.where(steps == NO_STEP, -2 - np.arange(steps.size), steps)
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    sums = np.zeros(uniq.size)
+    np.add.at(sums, inverse, values)
+    return uniq, sums
+
+
+def _step_matrix(keyed: Keyed, phase: str) -> tuple[list[int], np.ndarray]:
+    """(ranks, matrix steps × ranks) of one phase's per-step times, NaN where a rank has none."""
+    cols = {r: _per_step(*v) for (r, n), v in keyed.items() if n == phase}
+    ranks = sorted(cols)
+    if not ranks:
+        return [], np.empty((0, 0))
+    axis = np.unique(np.concatenate([cols[r][0] for r in ranks]))
+    m = np.full((axis.size, len(ranks)), np.nan)
+    for j, r in enumerate(ranks):
+        m[np.searchsorted(axis, cols[r][0]), j] = cols[r][1]
+    return ranks, m
+
+
+def _tested(keyed: Keyed, phase: str) -> dict[int | None, np.ndarray]:
+    """The series a phase is tested on: ``None`` → its per-step median over the ranks; each rank → its
+    per-step time over the median of its peers' at the same step (its own time when it has no peers)."""
+    ranks, m = _step_matrix(keyed, phase)
+    if not ranks:
+        return {}
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: a step no peer ran
+        out: dict[int | None, np.ndarray] = {None: _finite(np.nanmedian(m, axis=1))}
+        for j, r in enumerate(ranks):
+            peers = np.nanmedian(np.delete(m, j, axis=1), axis=1) if len(ranks) > 1 else np.ones(m.shape[0])
+            out[r] = _finite(m[:, j] / peers)
+    return out
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    return x[np.isfinite(x)]
 
 
 def _steps_of(run: Run) -> np.ndarray:
@@ -48,22 +144,26 @@ def _steps_of(run: Run) -> np.ndarray:
     return steps[steps != NO_STEP]
 
 
-def _durations(run: Run, steps: np.ndarray | None) -> Samples:
-    """Per (rank, phase): its span durations (all attempts), of ``steps`` when given."""
-    out: dict[tuple[int, str], list[np.ndarray]] = {}
+def _durations(run: Run, steps: np.ndarray | None) -> Keyed:
+    """Per (rank, phase): its span durations with their steps (all attempts), of ``steps`` when given."""
+    out: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for d in run.processes:
         for name, s in d.phases.items():
-            durs = np.frombuffer(s.durs, np.float64)
+            durs, at = np.frombuffer(s.durs, np.float64), np.frombuffer(s.steps, np.int64)
             if steps is not None:
-                at = np.frombuffer(s.steps, np.int64)
-                durs = durs[(at == NO_STEP) | np.isin(at, steps)]
-            out.setdefault((d.rank, name), []).append(durs)
-    return {k: np.concatenate(v) for k, v in out.items()}
+                keep = (at == NO_STEP) | np.isin(at, steps)
+                durs, at = durs[keep], at[keep]
+            out.setdefault((d.rank, name), []).append((at, durs))
+    return {k: _joined(v) for k, v in out.items()}
 
 
-def _own_times(run: Run, steps: np.ndarray | None, sync: Sequence[str]) -> Samples:
+def _joined(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def _own_times(run: Run, steps: np.ndarray | None, sync: Sequence[str]) -> Keyed:
     """Per (rank, collective phase): its own time in the collective, waiting excluded (what-if tails)."""
-    out: dict[tuple[int, str], list[np.ndarray]] = {}
+    out: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for group in run.groups():
         table = sync_table(group, sync)
         if table is None:
@@ -74,19 +174,23 @@ def _own_times(run: Run, steps: np.ndarray | None, sync: Sequence[str]) -> Sampl
             if steps is not None:
                 rows &= np.isin(prev // len(table.sync), steps)
             col = table.work[1:, :, table.phases.index(name)][rows]
+            at = (prev // len(table.sync))[rows]
             for j, rank in enumerate(table.ranks):
-                out.setdefault((rank, name), []).append(col[:, j])
-    return {k: np.concatenate(v) for k, v in out.items()}
+                out.setdefault((rank, name), []).append((at, col[:, j]))
+    return {k: _joined(v) for k, v in out.items()}
 
 
-def _samples(run: Run, steps: np.ndarray | None, sync: Sequence[str]) -> tuple[Samples, Samples]:
-    """(raw durations, judged values): collective phases are judged on their own time."""
+def _samples(run: Run, steps: np.ndarray | None, sync: Sequence[str]) -> tuple[Samples, Keyed]:
+    """(raw durations, judged values with their steps): collective phases are judged on their own time."""
     raw = _durations(run, steps)
-    return raw, {**raw, **_own_times(run, steps, sync)}
+    return {k: v[1] for k, v in raw.items()}, {**raw, **_own_times(run, steps, sync)}
 
 
-def _pooled(samples: Samples, phase: str) -> np.ndarray:
-    cols = [v for (_, name), v in samples.items() if name == phase]
+_NONE = np.empty(0)
+
+
+def _pooled(samples: Samples | Keyed, phase: str) -> np.ndarray:
+    cols = [v[1] if isinstance(v, tuple) else v for (_, name), v in samples.items() if name == phase]
     return np.concatenate(cols) if cols else np.empty(0)
 
 
@@ -94,16 +198,21 @@ def _p50(values: np.ndarray) -> float | None:
     return quantiles(values, (0.5,))[0] if values.size else None
 
 
-def _verdict(a: np.ndarray, b: np.ndarray, th: Thresholds) -> dict[str, Any]:
-    """The test of judged values: p_value, the medians (judged_ms) and their change (delta_ms), and
-    whether that is a ``regression`` or an ``improvement``."""
+def _verdict(a: np.ndarray, b: np.ndarray, ta: np.ndarray, tb: np.ndarray, th: Thresholds) -> dict[str, Any]:
+    """The judged values ``a``, ``b`` and their tested series ``ta``, ``tb`` (see the module doc):
+    p_value, the medians (judged_ms) and their change (delta_ms), and whether that is a
+    ``regression`` or an ``improvement``."""
     if not a.size or not b.size:
         return {"p_value": math.nan, "delta_ms": math.nan, "judged_ms": [_p50(a), _p50(b)],
                 REGRESSION: False, IMPROVEMENT: False}
-    _, p = mann_whitney(a, b)
+    p = _block_p(ta, tb)
     row = {"p_value": p, "delta_ms": float(np.median(b) - np.median(a)),
            "judged_ms": [float(np.median(a)), float(np.median(b))]}
-    found = p < th.max_p and _big(row, th)
+    # The tested series' own change must matter too, the same way: a rank's raw median can move with
+    # the run's load while its time relative to its peers stays put.
+    tested = _pct(float(np.median(ta)), float(np.median(tb))) if ta.size and tb.size else None
+    agrees = tested is not None and abs(tested) >= th.min_pct and (tested > 0) == (row["delta_ms"] > 0)
+    found = p < th.max_p and _big(row, th) and agrees
     return {**row, REGRESSION: found and row["delta_ms"] > 0, IMPROVEMENT: found and row["delta_ms"] < 0}
 
 
@@ -131,7 +240,8 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
     names = [n for n in order if any(k[1] == n for k in raw_a) and any(k[1] == n for k in raw_b)]
     collective = {n for n in sync if n in names}
     containers = {p for run in (a, b) for d in run.processes for p in d.parents.values() if p is not None}
-    ranks = _rank_rows(raw_a, raw_b, judged_a, judged_b, names, thresholds)
+    tested = [{n: _tested(judged, n) for n in names} for judged in (judged_a, judged_b)]
+    ranks = _rank_rows(raw_a, raw_b, judged_a, judged_b, tested, names, thresholds)
     for row in ranks:
         if row["phase"] in collective:  # judged for the group only (see _findings)
             row[REGRESSION] = row[IMPROVEMENT] = False
@@ -139,7 +249,8 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
     for name in names:
         ra, rb = _pooled(raw_a, name), _pooled(raw_b, name)
         phases.append({"name": name, "a": _summary(ra), "b": _summary(rb), "delta_p50_pct": _pct(_p50(ra), _p50(rb)),
-                       **_verdict(_pooled(judged_a, name), _pooled(judged_b, name), thresholds),
+                       **_verdict(_pooled(judged_a, name), _pooled(judged_b, name),
+                                  *(t[name].get(None, _NONE) for t in tested), thresholds),
                        "collective": name in collective, "container": name in containers})
     return {
         "phases": phases,
@@ -150,15 +261,17 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
     }
 
 
-def _rank_rows(raw_a: Samples, raw_b: Samples, judged_a: Samples, judged_b: Samples, names: list[str],
-               th: Thresholds) -> list[dict[str, Any]]:
+def _rank_rows(raw_a: Samples, raw_b: Samples, judged_a: Keyed, judged_b: Keyed,
+               tested: list[dict[str, dict[int | None, np.ndarray]]], names: list[str], th: Thresholds
+               ) -> list[dict[str, Any]]:
     rows = []
     for name in names:
         for rank in sorted({r for r, n in raw_a if n == name} & {r for r, n in raw_b if n == name}):
             a50, b50 = _p50(raw_a[(rank, name)]), _p50(raw_b[(rank, name)])
             rows.append({"rank": rank, "phase": name, "a_p50_ms": a50, "b_p50_ms": b50, "delta_pct": _pct(a50, b50),
-                         **_verdict(judged_a.get((rank, name), np.empty(0)),
-                                    judged_b.get((rank, name), np.empty(0)), th)})
+                         **_verdict(judged_a.get((rank, name), (_NONE, _NONE))[1],
+                                    judged_b.get((rank, name), (_NONE, _NONE))[1],
+                                    *(t[name].get(rank, _NONE) for t in tested), th)})
     return rows
 
 
@@ -194,6 +307,6 @@ def _finding(kind: str, phase: str, rank: int | None, row: dict[str, Any], colle
     pct = _pct(a50, b50)
     change = f"{row['delta_ms']:+.2f} ms" + (f", {pct:+.0f} %" if pct is not None else "")
     message = (f"{phase} on {who}{own}: median {a50:.3g} -> {b50:.3g} ms ({change}), "
-               f"Mann-Whitney p={row['p_value']:.1g}")
+               f"Mann-Whitney p={row['p_value']:.1g} over blocks of steps")
     return {"kind": kind, "phase": phase, "rank": rank, "message": message, "delta_ms": row["delta_ms"],
             "delta_pct": pct, "p_value": row["p_value"]}
