@@ -29,6 +29,7 @@ from otel_train.analysis.records import (
     DigestSpan,
     Head,
     ProcessFiles,
+    Reader,
     SpanEnd,
     SpanStart,
     Warn,
@@ -36,11 +37,14 @@ from otel_train.analysis.records import (
     read_digest,
     read_tail,
 )
-from otel_train.analysis.spans import ProcessState, Run, process_order
+from otel_train.analysis.spans import ProcessState, Run, process_order, read_process
 from otel_train.analysis.summary import process_row, unclosed_rows
 
 FIRST_WINDOW = 64 << 10
 """Bytes read from the end of a process's files first (about 150 records)."""
+LAST_WINDOW = 4 << 20
+"""The largest tail window read while a file is more than 32 times its size: past it the process is
+read whole, streamed (:func:`_whole`), so the windows before cost at most a few % of that read."""
 FAST_KINDS = (HANG, CRASH, RESTART)
 """The findings ``--fast`` answers; errors and stragglers need every step."""
 
@@ -73,7 +77,10 @@ def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines,
     digest, every span still open however long ago it began)."""
     size = FIRST_WINDOW
     held = {span.span_id for span in digest.open} if digest is not None else set()
+    total = pf.size
     while True:
+        if size > max(LAST_WINDOW, total >> 5) or size > total:
+            return _whole(pf, attempt, meta, bad)
         state, records, whole, window_bad = _window(pf, attempt, meta, size)
         if whole or _complete(state, records, held):
             break
@@ -84,6 +91,16 @@ def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines,
     bad.absorb(window_bad)
     state.malformed = window_bad.count
     state.first_step = meta.step if meta is not None else None  # restarts report where they began
+    return state
+
+
+def _whole(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines) -> ProcessState:
+    """A process whose tail windows never showed where it stopped (no step set, a tail of bad lines or
+    of one huge line): read whole, streamed like a full summarize reads it (never more than that costs)."""
+    reader = Reader(warn=bad.warn)
+    state = read_process(pf, attempt, reader, meta=meta)
+    bad.count += reader.malformed_lines
+    state.first_step = meta.step if meta is not None else state.first_step
     return state
 
 

@@ -24,7 +24,7 @@ from typing import IO, Annotated, Any, ClassVar, TypeVar
 
 import msgspec
 
-from otel_train import schema
+from otel_train import schema, sketch
 
 _DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
@@ -36,6 +36,9 @@ _MAX_ID = 2**63 - 1
 _MAX_DUR_MS = 1e12
 
 _CHUNK_BYTES = 1 << 20
+MAX_LINE_BYTES = 8 << 20
+"""Longest line a reader decodes (the runtime's largest records, stall stacks, are well under 1 MiB).
+A longer line is skipped as it is read, never held, and counted as malformed (docs/schema.md)."""
 
 T = TypeVar("T")
 
@@ -280,13 +283,21 @@ class DigestSpan(msgspec.Struct, gc=False):
                          parent_span_id=self.parent_span_id, trace_id=self.trace_id, step=self.step, tid=self.tid)
 
 
-class DigestPhase(msgspec.Struct, gc=False):
-    """One span name's closed durations in a digest: count, total and longest ms, and sketch buckets."""
+_Bucket = Annotated[int, msgspec.Meta(ge=0, lt=sketch.BUCKETS)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=_MAX_ID)]
+_TotalMs = Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_DUR_MS * _MAX_DUR_MS)]
 
-    count: Annotated[int, msgspec.Meta(ge=0)]
-    sum_ms: float
-    max_ms: float
-    buckets: dict[int, Annotated[int, msgspec.Meta(ge=0)]]
+
+class DigestPhase(msgspec.Struct, gc=False):
+    """One span name's closed durations in a digest: count, total and longest ms, and sketch buckets.
+
+    Every field is range-checked like a record's: a bucket index past the sketch's last bucket (whose
+    value no float holds), a negative or unbounded total, is a digest that is not ours, skipped whole."""
+
+    count: _Count
+    sum_ms: _TotalMs
+    max_ms: Annotated[float, msgspec.Meta(ge=0.0, le=_MAX_DUR_MS)]
+    buckets: dict[_Bucket, _Count]
 
 
 class Digest(msgspec.Struct, gc=False):
@@ -359,6 +370,8 @@ def _scan_ends(path: Path, offset: int, wanted: dict[str, bytes], ended: set[str
             data = carry + block
             cut = data.rfind(b"\n") + 1
             data, carry = data[:cut], data[cut:]
+            if len(carry) > MAX_LINE_BYTES:
+                carry = b""  # a line past the limit is no record: never held
             for sid, needle in wanted.items():
                 at = data.find(needle)
                 while at >= 0 and sid not in ended:
@@ -412,7 +425,14 @@ def decode_chunk(
     """The records of a buffer of whole lines; bad lines go to ``bad``.
 
     ``first_line()`` gives the 1-based number of the chunk's first line (asked only for a warning).
+    A line longer than :data:`MAX_LINE_BYTES` is bad whatever it holds (as when a file is read whole).
     """
+    if len(chunk) > MAX_LINE_BYTES:
+        return _decode_long_chunk(memoryview(chunk), path, first_line, bad)
+    return _decode_lines(chunk, path, first_line, bad)
+
+
+def _decode_lines(chunk: bytes | memoryview, path: Path, first_line: Callable[[], int], bad: BadLines) -> list[AnyRecord]:
     try:
         return _record_decoder.decode_lines(chunk)
     except _DECODE_ERRORS:
@@ -428,6 +448,31 @@ def decode_chunk(
             reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
             bad.report(path, lambda i=index: first_line() + i, reason)
     return items
+
+
+def _decode_long_chunk(chunk: memoryview, path: Path, first_line: Callable[[], int], bad: BadLines) -> list[AnyRecord]:
+    """:func:`decode_chunk` for a buffer that may hold lines past the limit: they are found in one pass
+    (each step jumps to the last line break within the limit, so a step covers about the limit's bytes)
+    and counted; the lines between them are decoded."""
+    data = chunk.obj if isinstance(chunk.obj, bytes) and len(chunk.obj) == len(chunk) else bytes(chunk)
+    out: list[AnyRecord] = []
+    good = pos = 0
+    while pos < len(data):
+        brk = data.rfind(b"\n", pos, pos + MAX_LINE_BYTES + 1)
+        if brk >= 0:
+            pos = brk + 1
+            continue
+        if len(data) - pos <= MAX_LINE_BYTES:
+            break  # a torn last line within the limit: decoded (and counted) like any other
+        if good < pos:
+            out.extend(_decode_lines(chunk[good:pos], path, lambda g=good: first_line() + data.count(b"\n", 0, g), bad))
+        end = data.find(b"\n", pos)
+        bad.report(path, lambda p=pos: first_line() + data.count(b"\n", 0, p),
+                   f"line longer than {MAX_LINE_BYTES >> 20} MiB, not read")
+        good = pos = len(data) if end < 0 else end + 1
+    if good < len(data):
+        out.extend(_decode_lines(chunk[good:], path, lambda: first_line() + data.count(b"\n", 0, good), bad))
+    return out
 
 
 class Reader:
@@ -457,7 +502,7 @@ class Reader:
     def batches(self, pf: ProcessFiles) -> Iterator[list[AnyRecord]]:
         """The process's records in file order, in lists of about a MiB of input each."""
         for path in pf.paths:
-            for offset, chunk in _chunks(path, self._warn):
+            for offset, chunk in _chunks(path, self.bad):
                 yield decode_chunk(chunk, path, lambda o=offset, p=path: line_number(p, o), self.bad)
                 if self._progress is not None:
                     self._progress(len(chunk))
@@ -465,7 +510,7 @@ class Reader:
     def records(self, pf: ProcessFiles) -> Iterator[dict]:
         """Every valid record as a plain dict with all its fields (for tools and notebooks)."""
         for path in pf.paths:
-            for offset, chunk in _chunks(path, self._warn):
+            for offset, chunk in _chunks(path, self.bad):
                 good = decode_chunk(chunk, path, lambda o=offset, p=path: line_number(p, o), self.bad)
                 if not good:
                     continue
@@ -548,45 +593,88 @@ def read_tail(pf: ProcessFiles, nbytes: int, bad: BadLines) -> tuple[list[AnyRec
     return records, whole
 
 
-def _chunks(path: Path, warn: Warn) -> Iterator[tuple[int, bytes | memoryview]]:
+def _chunks(path: Path, bad: BadLines) -> Iterator[tuple[int, bytes | memoryview]]:
     """``(byte offset, buffer)`` pieces of a file, each ending at a line break (but the torn tail).
 
-    A line cut by a block boundary is yielded alone (the tail of the previous block joined to the
-    head of this one), so the bulk of every block goes out as a view, never copied.
+    A line cut by a block boundary is yielded alone (its pieces joined once, so a long line costs its
+    length, not its length squared), and the bulk of every block goes out as a view, never copied. A
+    line longer than :data:`MAX_LINE_BYTES` is never held: its bytes are dropped as they are read, up
+    to its newline, and it is counted as one bad line.
     """
     try:
         f = open_regular(path)
     except OSError as exc:
         # A segment rotated away between listing and reading, or not a regular file: say so and go on.
-        warn(f"warning: {path}: cannot read ({exc.strerror or exc}); skipped")
+        bad.warn(f"warning: {path}: cannot read ({exc.strerror or exc}); skipped")
         return
     with f:
-        offset = 0
-        tail = b""
+        line = _LongLine(path, bad)
         while True:
             try:
                 block = f.read(_CHUNK_BYTES)
             except OSError as exc:
-                warn(f"warning: {path}: read failed at byte {offset + len(tail)} ({exc.strerror or exc}); rest skipped")
+                bad.warn(f"warning: {path}: read failed at byte {line.end} ({exc.strerror or exc}); rest skipped")
                 return
             if not block:
                 break
             cut = block.rfind(b"\n")
             if cut < 0:
-                tail += block
+                line.add(block)
                 continue
             start = 0
-            if tail:
+            if line.size or line.skipping:
                 start = block.find(b"\n") + 1
-                joined = tail + block[:start]
-                yield offset, joined
-                offset += len(joined)
+                joined = line.finish(block[:start])
+                if joined is not None:
+                    yield line.offset, joined
+                line.offset += line.taken
             if start <= cut:
-                yield offset, memoryview(block)[start : cut + 1]
-                offset += cut + 1 - start
-            tail = block[cut + 1 :]
-        if tail:
-            yield offset, tail
+                yield line.offset, memoryview(block)[start : cut + 1]
+                line.offset += cut + 1 - start
+            line.add(block[cut + 1 :])
+        if line.size and not line.skipping:
+            yield line.offset, b"".join(line.pieces)
+
+
+class _LongLine:
+    """The pieces of a line that a block boundary cut, kept up to :data:`MAX_LINE_BYTES`; past that
+    the line is counted as bad once and its further bytes only counted (``skipping``)."""
+
+    __slots__ = ("path", "bad", "offset", "pieces", "size", "skipping", "taken")
+
+    def __init__(self, path: Path, bad: BadLines) -> None:
+        self.path, self.bad = path, bad
+        self.offset = 0  # where the current line starts
+        self.pieces: list[bytes] = []
+        self.size = 0  # bytes held in pieces, or counted past the limit while skipping
+        self.skipping = False
+        self.taken = 0  # length of the line the last finish() ended
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+    def add(self, piece: bytes) -> None:
+        if not piece:
+            return
+        self.size += len(piece)
+        if self.skipping:
+            return
+        self.pieces.append(piece)
+        if self.size > MAX_LINE_BYTES:
+            self.pieces = []
+            self.skipping = True
+            at = self.offset
+            self.bad.report(self.path, lambda: line_number(self.path, at),
+                            f"line longer than {MAX_LINE_BYTES >> 20} MiB, not read")
+
+    def finish(self, last: bytes) -> bytes | None:
+        """End the line with ``last`` (up to its newline): the whole line, or None when it was skipped."""
+        self.add(last)
+        self.taken = self.size
+        joined = None if self.skipping else b"".join(self.pieces)
+        self.pieces, self.size, self.skipping = [], 0, False
+        return joined
 
 
 def line_number(path: Path, offset: int) -> int:
@@ -614,6 +702,7 @@ class _Segment:
     offset: int = 0
     lines: int = 0  # complete lines consumed, for warnings
     partial: bytes = b""
+    skipping: bool = False  # inside a line past MAX_LINE_BYTES: drop bytes up to its newline
 
 
 @dataclass(slots=True)
@@ -678,7 +767,7 @@ class Tail:
                 if seg is None:
                     seg = self._segments[key] = _Segment()
                 if st.st_size < seg.offset:  # truncated in place: start over
-                    seg.offset, seg.lines, seg.partial = 0, 0, b""
+                    seg.offset, seg.lines, seg.partial, seg.skipping = 0, 0, b"", False
                 if st.st_size == seg.offset:
                     return key
                 f.seek(seg.offset)
@@ -686,10 +775,15 @@ class Tail:
         except OSError:
             return None  # rotated away between listing and opening
         seg.offset += len(data)
+        if seg.skipping:
+            data = self._skip_long(seg, data)
         buf = seg.partial + data if seg.partial else data
         cut = buf.rfind(b"\n")
         if cut < 0:
             seg.partial = buf
+            if len(buf) > MAX_LINE_BYTES:  # never held past the limit, however long it grows
+                seg.partial, seg.skipping = b"", True
+                self.bad.report(path, seg.lines + 1, f"line longer than {MAX_LINE_BYTES >> 20} MiB, not read")
             return key
         seg.partial = buf[cut + 1 :]
         whole = memoryview(buf)[: cut + 1]
@@ -697,6 +791,17 @@ class Tail:
         out.extend(decode_chunk(whole, path, lambda: first, self.bad))
         seg.lines += buf.count(b"\n", 0, cut + 1)
         return key
+
+
+    @staticmethod
+    def _skip_long(seg: _Segment, data: bytes) -> bytes:
+        """What follows the end of a line being skipped (all of ``data`` is dropped until its newline)."""
+        end = data.find(b"\n")
+        if end < 0:
+            return b""
+        seg.skipping = False
+        seg.lines += 1
+        return data[end + 1 :]
 
 
 def _names(d: Path) -> list[str]:
