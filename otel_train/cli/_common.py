@@ -19,23 +19,24 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from otel_train.analysis.records import TraceReadError, find_process_files
 from otel_train.analysis.spans import Run, load_run
+from otel_train.cli._text import clean, json_safe, printable
 
 EXIT_NO_TRACES = 2
 EXIT_FAILURE = 1
 
-stderr = Console(stderr=True, highlight=False, soft_wrap=True)
+stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 """Where warnings, errors and the progress bar go (stdout stays clean for --json and pipes)."""
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print ``error: message`` as one line on stderr and exit with ``code``."""
-    stderr.print(f"error: {' '.join(message.split())}", markup=False)
+    stderr.print(f"error: {printable(' '.join(message.split()))}", markup=False)
     raise typer.Exit(code)
 
 
 def warn(message: str) -> None:
     """One warning line on stderr (goes above a running progress bar)."""
-    stderr.print(message, markup=False)
+    stderr.print(printable(message), markup=False)
 
 
 @contextmanager
@@ -92,7 +93,11 @@ def note_malformed(count: int) -> None:
 
 def print_json(obj: Any) -> None:
     """Write ``obj`` as indented JSON on stdout (NaN and infinities become null)."""
-    sys.stdout.write(msgspec.json.format(msgspec.json.encode(obj), indent=2).decode())
+    try:
+        raw = msgspec.json.encode(obj)
+    except UnicodeEncodeError:  # a lone surrogate from a trace file: written as its escape instead
+        raw = msgspec.json.encode(clean(obj, limit=None))
+    sys.stdout.write(json_safe(msgspec.json.format(raw, indent=2).decode()))
     sys.stdout.write("\n")
     sys.stdout.flush()
 

@@ -7,10 +7,12 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.text import Text
 from rich.table import Table
 
 from otel_train.analysis.diff import Thresholds, diff_runs
 from otel_train.cli._app import app
+from otel_train.cli._text import clean, console
 from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
 
 SHOWN = 20
@@ -36,7 +38,7 @@ def diff(
         if as_json:
             print_json(result)
         else:
-            _render(result, Console())
+            _render(clean(result), console())
 
 
 def _verdict(row: dict[str, Any]) -> str:
@@ -71,7 +73,7 @@ def _render(result: dict[str, Any], out: Console) -> None:
               f">= {th['min_ms']:g} ms (Mann-Whitney U; a collective phase is judged on its own time, "
               f"without the waiting)", highlight=False)
     for f in result["findings"]:
-        out.print(f"[bold]{f['kind']}[/bold]: {f['message']}", highlight=False)
+        out.print(Text.assemble((f["kind"], "bold"), f": {f['message']}"))
     if not result["findings"]:
         out.print("No regression or improvement above the thresholds.")
     rows = _rows(result)

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from otel_train.analysis.stats import compute_stats, median
 from otel_train.cli._app import app
+from otel_train.cli._text import clean, console
 from otel_train.cli._common import cli_errors, fmt_ms, load, print_json, warn
 
 SLOWEST_STEPS_SHOWN = 10
@@ -34,7 +35,7 @@ def stats(
         if as_json:
             print_json(result)
         else:
-            _render(result, Console())
+            _render(clean(result), console())
 
 
 def write_steps_csv(rows: list[dict[str, Any]], path: Path) -> None:

@@ -14,6 +14,7 @@ from otel_train.analysis.fast import summarize_fast
 from otel_train.analysis.stacks import describe_stack
 from otel_train.analysis.summary import summarize_run
 from otel_train.cli._app import app
+from otel_train.cli._text import clean, console
 from otel_train.cli._common import cli_errors, fmt_ms, load, print_json, warn
 
 
@@ -33,7 +34,7 @@ def summarize(
         if as_json:
             print_json(summary)
         else:
-            _render(summary, Console())
+            _render(clean(summary), console())
 
 
 def _ts(ts: float | None) -> str:

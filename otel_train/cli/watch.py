@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -20,6 +20,7 @@ from otel_train.analysis.live import LiveRun
 from otel_train.analysis.records import TraceReadError
 from otel_train.analysis.stacks import describe_stack
 from otel_train.cli._app import app
+from otel_train.cli._text import clean, console, json_safe, printable
 from otel_train.cli._common import cli_errors, fail, note_malformed, warn
 
 EXIT_FINDING = 3
@@ -83,7 +84,11 @@ class _JsonLines:
     """One JSON object per line on stdout, flushed at once (for pipes and scripts)."""
 
     def event(self, event: dict[str, Any]) -> None:
-        sys.stdout.write(msgspec.json.encode(event).decode() + "\n")
+        try:
+            line = msgspec.json.encode(event)
+        except UnicodeEncodeError:  # a lone surrogate from a trace file: written as its escape instead
+            line = msgspec.json.encode(clean(event, limit=None))
+        sys.stdout.write(json_safe(line.decode()) + "\n")
         sys.stdout.flush()
 
     def refresh(self) -> None:
@@ -101,13 +106,13 @@ class _Table:
 
     def __init__(self, live: LiveRun) -> None:
         self.live = live
-        self.console = Console()
+        self.console = console()
         self.lines: list[Text] = []
         self.view = Live(self._render(), console=self.console, refresh_per_second=4, transient=False)
         self.view.start()
 
     def event(self, event: dict[str, Any]) -> None:
-        f = event["finding"]
+        f = clean(event["finding"])
         style = "bold red" if event["type"] == "finding" and f["kind"] in ("hang", "crash") else "yellow"
         label = f["kind"] if event["type"] == "finding" else f"resolved {f['kind']}"
         self.lines.append(Text(f"{time.strftime('%H:%M:%S', time.localtime(event['ts']))} {label}: {f['message']}",
@@ -125,11 +130,11 @@ class _Table:
         self.view.stop()
 
     def _render(self) -> Group:
-        table = Table(title=f"otel-train watch {self.live.tail.path}", title_justify="left")
+        table = Table(title=f"otel-train watch {printable(str(self.live.tail.path))}", title_justify="left")
         for col in ("rank", "att", "step", "open spans", "open for", "state"):
             table.add_column(col, overflow="fold")
         styles = {"stalled": "red", "silent": "red", "dead": "bold red", "ended": "dim"}
-        rows = self.live.rows()
+        rows = clean(self.live.rows())
         for row in rows:
             open_for = row["open_for"]
             table.add_row(str(row["rank"]), str(row["attempt"]), "-" if row["step"] is None else str(row["step"]),

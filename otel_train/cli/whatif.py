@@ -11,6 +11,7 @@ from rich.table import Table
 
 from otel_train.analysis.whatif import SYNC_PHASES, whatif as whatif_run
 from otel_train.cli._app import app
+from otel_train.cli._text import clean, console
 from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
 
 SHOWN = 10
@@ -32,7 +33,7 @@ def whatif(
         if as_json:
             print_json(result)
         else:
-            _render(result, Console())
+            _render(clean(result), console())
 
 
 def _pct(row: dict[str, Any]) -> str:
