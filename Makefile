@@ -9,7 +9,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 DEMO   := runs/demo
 
-.PHONY: install demo test bench chromium phoenix clean
+.PHONY: install demo demo-clean test bench chromium phoenix clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,17 +33,22 @@ chromium:
 phoenix:
 	@bash .ci/phoenix-venv.sh || echo "warning: could not install Phoenix; its tests will skip"
 
+# The story: a clean run, a straggler, a hang caught live by watch, a desync, each diagnosed on screen
+# (examples/demo.py; docs/demo.md). `make demo-clean` is the single quiet run with its full reports.
 demo: install
-	rm -rf $(DEMO)
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=4 examples/train_ddp.py --save-path $(DEMO)
-	$(BIN)/otel-train summarize $(DEMO)
-	$(BIN)/otel-train whatif $(DEMO)
-	$(BIN)/otel-train export $(DEMO)
+	$(BIN)/python examples/demo.py --out $(DEMO)
+
+demo-clean: install
+	rm -rf $(DEMO)/clean
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=4 examples/train_ddp.py --save-path $(DEMO)/clean
+	$(BIN)/otel-train summarize $(DEMO)/clean
+	$(BIN)/otel-train whatif $(DEMO)/clean
+	$(BIN)/otel-train export $(DEMO)/clean
 	@echo
-	@echo "Trace files:     $(DEMO)/structured_logs/"
-	@ls -l $(DEMO)/structured_logs/
-	@echo "Perfetto trace:  $(DEMO)/analysis/structured_trace.json"
-	@echo "Open it at https://ui.perfetto.dev (Open trace file), or offline: $(BIN)/vizviewer $(DEMO)/analysis/structured_trace.json"
+	@echo "Trace files:     $(DEMO)/clean/structured_logs/"
+	@ls -l $(DEMO)/clean/structured_logs/
+	@echo "Perfetto trace:  $(DEMO)/clean/analysis/structured_trace.json"
+	@echo "Open it at https://ui.perfetto.dev (Open trace file), or offline: $(BIN)/vizviewer $(DEMO)/clean/analysis/structured_trace.json"
 
 test: install chromium phoenix
 	$(BIN)/python -m pytest -q

@@ -33,11 +33,10 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanCon
 from otel_train import _report, api
 from otel_train import context as step_context
 from otel_train import schema as S
-from otel_train._values import clean_text
 from otel_train._version import __version__
 from otel_train.config import Settings, resolve_settings
 from otel_train.errors import ConfigError
-from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder, check_sdk_span_fields
+from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder, check_sdk_span_fields, step_context_attrs
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
 from otel_train.exporters.jsonl.writer import RotatingFileWriter
 from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors, shutdown_processors
@@ -48,7 +47,6 @@ from otel_train.spans import CleanTracer, LeanTracer
 from otel_train.digest import DigestWriter
 from otel_train.watchdog import Watchdog
 
-TRAINING_ATTR_PREFIX = "training."
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
 SIGTERM_RETRY_S = 0.005
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -94,19 +92,14 @@ class StepTraceIdGenerator(IdGenerator):
 
 
 class TrainingContextProcessor(SpanProcessor):
-    """Copies the step context onto spans as ``training.*`` attributes, for OTLP and custom sinks."""
+    """Copies the step context onto spans as ``training.*`` attributes, for OTLP and custom sinks; an
+    attribute of that name the user gave is kept as given."""
 
     def on_start(self, span: Any, parent_context: Context | None = None) -> None:
-        state = step_context.current()
-        if state.step is not None:
-            span.set_attribute(S.ATTR_STEP, state.step)
-            span.set_attribute(S.ATTR_RELATIVE_STEP, state.relative_step)
-        if state.epoch is not None:
-            span.set_attribute(S.ATTR_EPOCH, state.epoch)
-        if state.iteration is not None:
-            span.set_attribute(S.ATTR_ITERATION, state.iteration)
-        if state.tags:
-            span.set_attribute(S.ATTR_TAGS, [clean_text(tag) for tag in state.tags])
+        given = span._attributes
+        for key, value in step_context_attrs(step_context.current()).items():
+            if not given or key not in given:
+                span.set_attribute(key, value)
 
 
 class _Runtime:
@@ -214,7 +207,7 @@ def _build(rt: _Runtime) -> None:
             check_sdk_span_fields()
         except RuntimeError as exc:
             raise ConfigError(str(exc)) from None
-        encoder = RecordEncoder(_static_fields(ctx), skip_attr_prefix=TRAINING_ATTR_PREFIX if has_others else None)
+        encoder = RecordEncoder(_static_fields(ctx), skip_context_attrs=has_others)
         rt.jsonl = JsonlSpanProcessor(
             rt.writer, encoder, caller=CallerFinder(_library_dirs()),
             record_handlers=[h.on_record for h in rt.record_handlers],

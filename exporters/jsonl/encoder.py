@@ -17,7 +17,7 @@ import msgspec
 from opentelemetry.trace import SpanContext, StatusCode
 
 from otel_train import schema as S
-from otel_train._values import json_safe
+from otel_train._values import clean_text, json_safe
 from otel_train.context import StepState, call_site
 
 INCOMPLETE_ATTR = S.ATTR_INCOMPLETE
@@ -110,16 +110,18 @@ class RecordEncoder:
     (:meth:`span_body`) and shared by its start and end lines.
     """
 
-    __slots__ = ("_static", "_start_heads", "_end_heads", "_point_heads", "_scalar_head", "_hex", "_skip_attr_prefix")
+    __slots__ = ("_static", "_start_heads", "_end_heads", "_point_heads", "_scalar_head", "_hex", "_skip_context")
 
-    def __init__(self, static: Mapping[str, Any], *, skip_attr_prefix: str | None = None) -> None:
+    def __init__(self, static: Mapping[str, Any], *, skip_context_attrs: bool = False) -> None:
         self._static = "".join(_frag(k, v) for k, v in static.items())
         self._start_heads: dict[str, str] = {}
         self._end_heads: dict[str, str] = {}
         self._point_heads: dict[str, str] = {}
         self._scalar_head = _frag(S.KIND, S.SCALAR) + _frag(S.EVENT, S.SCALAR) + _frag(S.NAME, S.SCALAR)
         self._hex: tuple[int, str] = (0, "")
-        self._skip_attr_prefix = skip_attr_prefix
+        # True when other sinks see spans: the training.* copies of the step context (step_context_attrs)
+        # are left out of span_end lines, which carry the step context as fields of their own.
+        self._skip_context = skip_context_attrs
 
     def _span_head(self, heads: dict[str, str], kind: str, suffix: str, name: str) -> str:
         """``,"kind":..,"event":..,"name":..`` of a span record, cached per name."""
@@ -145,10 +147,15 @@ class RecordEncoder:
             return _BODY_WITH_PARENT % (trace_part, ctx.span_id, parent.span_id, step, self._static, tid)
         return _BODY % (trace_part, ctx.span_id, step, self._static, tid)
 
-    def _attrs(self, attributes: Mapping[str, Any]) -> str:
-        prefix = self._skip_attr_prefix
-        attrs = {k: v for k, v in attributes.items()
-                 if k != INCOMPLETE_ATTR and (prefix is None or not k.startswith(prefix))}
+    def _attrs(self, attributes: Mapping[str, Any], state: StepState | None = None) -> str:
+        # Only the runtime's own copies are left out (a key of step_context_attrs holding the value the
+        # copy would): every attribute the user gave, training.* ones included, is written.
+        copied = step_context_attrs(state) if state is not None and self._skip_context else None
+        if copied:
+            attrs = {k: v for k, v in attributes.items()
+                     if k != INCOMPLETE_ATTR and (k not in copied or copied[k] != v)}
+        else:
+            attrs = {k: v for k, v in attributes.items() if k != INCOMPLETE_ATTR}
         return _frag(S.ATTRS, attrs) if attrs else ""
 
     def span_start(self, span: Any, body: str, seq: int, caller: str) -> bytes:
@@ -161,8 +168,10 @@ class RecordEncoder:
             ns // 1_000_000_000, ns // 1000 % 1_000_000, head, body, seq, caller,
             self._attrs(attributes) if attributes else "")).encode()
 
-    def span_end(self, span: Any, body: str, seq: int, *, incomplete: bool = False) -> bytes:
-        """The ``span_end`` line of an SDK span that has just ended (or, ``incomplete``, is ended now)."""
+    def span_end(self, span: Any, body: str, seq: int, *, incomplete: bool = False,
+                 state: StepState | None = None) -> bytes:
+        """The ``span_end`` line of an SDK span that has just ended (or, ``incomplete``, is ended now);
+        ``state`` is the step context it started in (its training.* copies are not repeated)."""
         name = span._name
         head = self._end_heads.get(name) or self._span_head(self._end_heads, S.SPAN_END, S.END_SUFFIX, name)
         start, end = span._start_time, span._end_time
@@ -178,7 +187,7 @@ class RecordEncoder:
         dur_us = (end - start) // 1000
         return (_END_LINE % (
             end // 1_000_000_000, end // 1000 % 1_000_000, head, body, seq, dur_us // 1000, dur_us % 1000,
-            status, self._attrs(attributes) if attributes else "")).encode()
+            status, self._attrs(attributes, state) if attributes else "")).encode()
 
     def instant(self, *, name: str, ts_ns: int, ids: SpanContext, state: StepState, tid: int, seq: int,
                 caller: str, attrs: Mapping[str, Any] | None) -> bytes:
@@ -219,6 +228,22 @@ _POINT_IDS = ',"%s":"%%032x","%s":"%%016x"' % (S.TRACE_ID, S.SPAN_ID)
 _OK = ',"%s":"%s"' % (S.STATUS, S.STATUS_OK)
 _ERROR = ',"%s":"%s"' % (S.STATUS, S.STATUS_ERROR)
 _INCOMPLETE = ',"%s":"%s"' % (S.STATUS, S.STATUS_INCOMPLETE)
+
+
+def step_context_attrs(state: StepState) -> dict[str, Any]:
+    """The ``training.*`` attributes the runtime copies from a span's step context for sinks other than
+    JSONL (OTLP, console, handlers), as the SDK holds them (sequences as tuples)."""
+    out: dict[str, Any] = {}
+    if state.step is not None:
+        out[S.ATTR_STEP] = state.step
+        out[S.ATTR_RELATIVE_STEP] = state.relative_step
+    if state.epoch is not None:
+        out[S.ATTR_EPOCH] = state.epoch
+    if state.iteration is not None:
+        out[S.ATTR_ITERATION] = state.iteration
+    if state.tags:
+        out[S.ATTR_TAGS] = tuple(clean_text(tag) for tag in state.tags)
+    return out
 
 
 def _error_of(span: Any) -> dict[str, str]:

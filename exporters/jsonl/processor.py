@@ -109,7 +109,7 @@ class JsonlSpanProcessor(SpanProcessor):
                     self._end_record(span, None, incomplete=False)
                 else:  # the common case, inline: it runs for every span
                     seq = self._seq + 1
-                    line = self._encoder.span_end(span, entry[1], seq)
+                    line = self._encoder.span_end(span, entry[1], seq, state=entry[2])
                     self._seq = seq
                     self._write(line)
             ended = self.ended
@@ -128,7 +128,8 @@ class JsonlSpanProcessor(SpanProcessor):
         else:
             body = entry[1]
         seq = self._seq + 1
-        line = self._encoder.span_end(span, body, seq, incomplete=incomplete)
+        line = self._encoder.span_end(span, body, seq, incomplete=incomplete,
+                                      state=entry[2] if entry is not None else current_state())
         self._seq = seq
         self._write(line)
 

@@ -1,0 +1,180 @@
+"""`make demo`: four short 4-rank CPU jobs, each diagnosed on screen (docs/demo.md).
+
+1. a clean run: no findings, what-if ≈ its ideal;
+2. the same job with rank 2 slowed by 40 ms in data_fetch: the straggler and what it costs;
+3. the same job where rank 1 hangs in forward, watched live by `otel-train watch` beside it: the
+   culprit, its phase and its stack, seconds after the hang began;
+4. the same job where rank 3 calls broadcast where the others call all_reduce: the desync, with the
+   group, the sequence number and both ops.
+
+Each job is `torchrun --standalone --nproc_per_node=4 examples/train_ddp.py` (gloo on CPU); the
+answers come from the real CLI's `--json` output, printed short enough for a terminal and a CI log.
+
+    python examples/demo.py [--out runs/demo] [--only clean]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from otel_train.analysis.stacks import describe_stack
+from otel_train.cli._text import printable
+
+HERE = Path(__file__).resolve().parent
+TRAIN = HERE / "train_ddp.py"
+RANKS = 4
+COMMON = ("--steps", "30", "--eval-every", "0", "--checkpoint-every", "0", "--hidden", "128")
+JOB_TIMEOUT_S = 60.0
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "otel_train.cli", *args]
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return out | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | extra
+
+
+@contextmanager
+def job(path: Path, *args: str, **extra_env: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A 4-rank torchrun job writing to ``path``, in a session of its own (killed whole on the way out)."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(path.parent / f"{path.name}.log", "wb")  # noqa: SIM115 - closed below
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", str(TRAIN),
+           "--save-path", str(path), *COMMON, *args]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(**extra_env), start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+
+
+def cli_json(*args: str) -> Any:
+    out = subprocess.run(command(*args, "--json"), capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SystemExit(f"demo: `otel-train {' '.join(args)}` failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+def show_findings(path: Path, kinds: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    say(f"$ otel-train summarize {path}")
+    found = [f for f in cli_json("summarize", str(path))["findings"] if not kinds or f["kind"] in kinds]
+    if not found:
+        say("  Findings: none")
+    for f in found:
+        say(f"  {f['kind']}: {printable(f['message'])}")
+    return found
+
+
+def show_whatif(path: Path) -> None:
+    say(f"$ otel-train whatif {path}")
+    w = cli_json("whatif", str(path))
+    if not w.get("steps"):
+        say("  (no steps to replay)")
+        return
+    ms = w["step_ms"]
+    say(f"  step {ms['actual']:.1f} ms, ideal {ms['ideal']:.1f} ms: {w['slowdown']:.2f}x its ideal")
+    top = (w.get("by_rank_phase") or [])[:1]
+    for r in top:
+        cost = ms["actual"] - ms["actual"] / r["slowdown"] if r.get("slowdown") else 0.0
+        say(f"  without rank {r['rank']}'s {r['phase']} slowness: {cost:.1f} ms ({100 * cost / ms['actual']:.0f} %) "
+            "faster per step")
+
+
+def clean(out: Path) -> None:
+    say("== 1. A clean run")
+    with job(out / "clean") as proc:
+        proc.wait(JOB_TIMEOUT_S)
+    show_findings(out / "clean")
+    show_whatif(out / "clean")
+
+
+def straggler(out: Path) -> None:
+    say("\n== 2. Rank 2 is 40 ms slower in data_fetch on every step")
+    with job(out / "straggler", "--slow-rank", "2", "--slow-phase", "data_fetch", "--slow-ms", "40") as proc:
+        proc.wait(JOB_TIMEOUT_S)
+    show_findings(out / "straggler", ("straggler",))
+    show_whatif(out / "straggler")
+
+
+def hang(out: Path) -> None:
+    say("\n== 3. Rank 1 hangs in forward at step 12; otel-train watch runs beside the job")
+    path = out / "hang"
+    with job(path, "--hang-rank", "1", "--hang-step", "12", "--hang-phase", "forward", "--timeout-s", "30",
+             OTEL_TRAIN_STALL_MIN_S="3"):
+        say(f"$ otel-train watch {path} --stacks --exit-on hang")
+        begun = time.monotonic()
+        watch = subprocess.run(command("watch", str(path), "--json", "--stacks", "--exit-on", "hang",
+                                       "--timeout", str(JOB_TIMEOUT_S)), capture_output=True, text=True,
+                               timeout=JOB_TIMEOUT_S + 30)
+        for line in watch.stdout.splitlines():
+            event = json.loads(line)
+            if event["type"] == "finding":
+                f = event["finding"]
+                say(f"  {f['kind']}: {printable(f['message'])}")
+                for stack in (f.get("stacks") or [])[:1]:
+                    say(f"    stack: {printable(describe_stack(stack))}")
+        say(f"  (named {time.monotonic() - begun:.0f} s after watch started; the job is stopped now)")
+
+
+def desync(out: Path) -> None:
+    say("\n== 4. Rank 3 calls broadcast where the others call all_reduce")
+    with job(out / "desync", "--fault", "desync-op", "--fault-rank", "3", "--fault-step", "10",
+             "--timeout-s", "10") as proc:
+        try:
+            proc.wait(JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+    show_findings(out / "desync", ("desync", "hang"))
+
+
+def where(out: Path) -> None:
+    trace = out / "straggler" / "analysis" / "structured_trace.json"
+    subprocess.run(command("export", str(out / "straggler"), "--output", str(trace)), check=True,
+                   capture_output=True, timeout=120)
+    say("\n== Where to look next")
+    say(f"  Perfetto trace of the straggler run: {trace}")
+    say("  open it at https://ui.perfetto.dev (Open trace file), or offline: "
+        f"{Path(sys.executable).parent / 'vizviewer'} {trace}")
+    say(f"  trace files: {out}/<run>/structured_logs/  (every run: otel-train summarize / whatif / export)")
+
+
+SCENARIOS = {"clean": clean, "straggler": straggler, "hang": hang, "desync": desync}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("runs/demo"))
+    p.add_argument("--only", choices=sorted(SCENARIOS), action="append", help="run only these scenarios")
+    args = p.parse_args(argv)
+    begun = time.monotonic()
+    for name, scenario in SCENARIOS.items():
+        if not args.only or name in args.only:
+            scenario(args.out)
+    if not args.only or "straggler" in args.only:
+        where(args.out)
+    say(f"\n(demo took {time.monotonic() - begun:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
