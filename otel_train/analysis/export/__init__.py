@@ -21,6 +21,7 @@ from typing import IO
 
 from otel_train import schema
 from otel_train.analysis.export import chrome, perfetto
+from otel_train.analysis.export.flows import CommPlan, ProcessMarks, comm_plan
 from otel_train.analysis.export.layout import Counts, ProcessLayout, layout_process
 from otel_train.analysis.records import Head, ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
 from otel_train.analysis.spans import PARALLEL_MIN_BYTES, iter_processes, pool_context, process_order, read_process
@@ -33,7 +34,8 @@ _RENDERERS: dict[str, ModuleType] = {"chrome": chrome, "perfetto": perfetto}
 """Formats written one laid-out process at a time: ``HEAD``, then ``render(layout, origin_us, file)`` per
 process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malformed_lines)``."""
 
-Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str]
+Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None"]
+FR_DIR = "flight_recorder"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,8 @@ class ExportResult:
     processes: int
     output: Path
     malformed_lines: int = 0
+    flows: int = 0  # flow arrows between comm spans (a collective of n members: n - 1; a send -> recv: 1)
+    dump_ops: int = 0  # ops read from Flight Recorder dumps
 
 
 def default_output(path: str | Path, fmt: str = "chrome") -> Path:
@@ -64,9 +68,11 @@ def export(
     steps: tuple[int, int] | None = None,
     reader: Reader | None = None,
     workers: int | None = None,
+    fr: str | Path | None = None,
 ) -> ExportResult:
     """Write the run at ``path`` as ``fmt`` (one of :data:`FORMATS`) to ``output`` (default:
-    :func:`default_output`); only ``ranks`` and steps ``lo..hi`` when given.
+    :func:`default_output`); only ``ranks`` and steps ``lo..hi`` when given. ``fr``: Flight Recorder
+    dumps to merge (default: the run's ``flight_recorder/``, when it exists).
 
     Raises TraceReadError when ``path`` holds no trace files, ValueError for an unknown format. The
     file is written next to ``output`` and renamed into place, so a failed export leaves no torn file.
@@ -79,10 +85,13 @@ def export(
     origin_us = int(trace_origin(path, ranks) * 1e6)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    plan = CommPlan()
     try:
         with tmp.open("wb", buffering=1 << 20) as f:
             if fmt in _RENDERERS:
-                counts = _write_rendered(_RENDERERS[fmt], fmt, path, f, origin_us, reader, ranks, steps, workers)
+                order = process_order(path, ranks, reader.bad.warn)
+                plan = comm_plan(order, default_fr(path) if fr is None else Path(fr), reader.bad.warn)
+                counts = _write_rendered(_RENDERERS[fmt], fmt, order, plan, f, origin_us, reader, steps, workers)
             else:
                 from otel_train.analysis.export import otlp_json  # the OTel/protobuf stack: only when asked
 
@@ -94,7 +103,15 @@ def export(
         raise
     finally:
         tmp.unlink(missing_ok=True)
-    return ExportResult(*counts, out, reader.malformed_lines)
+    dump_ops = len(plan.dumps.ops) if plan.dumps is not None else 0
+    return ExportResult(*counts, out, reader.malformed_lines, plan.flows, dump_ops)
+
+
+def default_fr(path: str | Path) -> Path:
+    """The run's Flight Recorder dumps: ``<run>/flight_recorder`` (the ``fr_dir`` default)."""
+    logs = logs_dir(path)
+    run = logs.parent if logs.name == schema.STRUCTURED_LOGS_DIR else logs
+    return run / FR_DIR
 
 
 def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:
@@ -115,30 +132,29 @@ def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:
 def _write_rendered(
     renderer: ModuleType,
     fmt: str,
-    path: str | Path,
+    order: list[tuple[ProcessFiles, int, Head | None]],
+    plan: CommPlan,
     f: IO[bytes],
     origin_us: int,
     reader: Reader,
-    ranks: set[int] | None,
     steps: tuple[int, int] | None,
     workers: int | None,
 ) -> Counts:
     """The whole run, process ``i`` of the run's order with pid ``i + 1``: rendered here, or for a large
     run by a pool of workers into part files appended here in order."""
-    order = process_order(path, ranks, reader.bad.warn)
     sizes = [pf.size for pf, _, _ in order]
     workers = min(workers or os.cpu_count() or 1, len(order))
     f.write(renderer.HEAD)
     totals = Counts(0, 0, 0, 0)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
         for index, (pf, attempt, meta) in enumerate(order):
-            lay = _layout(pf, attempt, index, reader, steps, meta)
+            lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt))
             if lay is not None:
                 if totals.processes:
                     f.write(renderer.SEPARATOR)
                 totals = _add(totals, renderer.render(lay, origin_us, f))
     else:
-        for counts, part in _pooled(order, sizes, fmt, f, origin_us, reader, steps, workers):
+        for counts, part in _pooled(order, sizes, fmt, plan, f, origin_us, reader, steps, workers):
             if totals.processes:
                 f.write(renderer.SEPARATOR)
             with open(part, "rb") as src:
@@ -154,17 +170,25 @@ def _add(a: Counts, b: Counts) -> Counts:
 
 
 def _layout(pf: ProcessFiles, attempt: int, index: int, reader: Reader, steps: tuple[int, int] | None,
-            meta: Head | None = None) -> ProcessLayout | None:
-    """One process read and laid out (None without a valid record). Only the layout is returned: the
-    records are freed before anything is written."""
+            meta: Head | None = None, marks: ProcessMarks | None = None) -> ProcessLayout | None:
+    """One process read and laid out (None without a valid record), with its comm marks (the ops only a
+    dump saw, culprit instants, flows). Only the layout is returned: the records are freed before
+    anything is written."""
     state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
-    return layout_process(state, index) if state.records else None
+    if not state.records:
+        return None
+    if marks is None:
+        return layout_process(state, index)
+    state.spans.extend(marks.extra_spans)
+    state.instants.extend(marks.instants)
+    return layout_process(state, index, marks.spans)
 
 
 def _pooled(
     order: list[tuple[ProcessFiles, int, Head | None]],
     sizes: list[int],
     fmt: str,
+    plan: CommPlan,
     f: IO[bytes],
     origin_us: int,
     reader: Reader,
@@ -174,8 +198,8 @@ def _pooled(
     """Each process with records, in order: its counts and the part file it was rendered into, by a
     pool of ``workers - 1`` processes and by this one (see :class:`_Schedule`)."""
     stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
-    tasks: list[Task] = [(pf, attempt, index, origin_us, steps, fmt, f"{stem}{index}")
-                         for index, (pf, attempt, _) in enumerate(order)]
+    tasks: list[Task] = [(pf, attempt, index, origin_us, steps, fmt, f"{stem}{index}",
+                          plan.of(pf.source, pf.rank, attempt)) for index, (pf, attempt, _) in enumerate(order)]
     try:
         with ProcessPoolExecutor(workers - 1, mp_context=pool_context()) as pool:
             schedule = _Schedule(pool, tasks, 2 * (workers - 1))  # one running, one waiting per worker
@@ -186,7 +210,7 @@ def _pooled(
                     yield counts, part
     finally:
         for task in tasks:
-            Path(task[-1]).unlink(missing_ok=True)
+            Path(task[6]).unlink(missing_ok=True)
 
 
 class _Schedule:
@@ -217,10 +241,10 @@ class _Schedule:
 
 def _render_task(task: Task) -> tuple[Counts, int, list[str], str | None]:
     """Worker: read, lay out and render one process into a part file; (counts, malformed, warnings, part)."""
-    pf, attempt, index, origin_us, steps, fmt, part = task
+    pf, attempt, index, origin_us, steps, fmt, part, marks = task
     warnings: list[str] = []
     reader = Reader(warn=warnings.append)
-    lay = _layout(pf, attempt, index, reader, steps)
+    lay = _layout(pf, attempt, index, reader, steps, marks=marks)
     if lay is None:
         return Counts(0, 0, 0, 0), reader.malformed_lines, warnings, None
     with open(part, "wb", buffering=1 << 20) as out:

@@ -126,7 +126,8 @@ def _tails(lay: ProcessLayout) -> list[str]:
     key = ((spans.status * (len(lay.attrs) + 1) + spans.attrs + 1) * 2 + spans.incomplete) * 2 + spans.failed
     kinds, of_span = np.unique(key, return_inverse=True)
 
-    def tail_of(status: int, attrs: int, incomplete: bool, failed: bool, error: dict | None = None) -> str:
+    def tail_of(status: int, attrs: int, incomplete: bool, failed: bool, error: dict | None = None,
+                args: str = "", event: str = "") -> str:
         text = '"status":' + status_json[status]
         if attrs >= 0:
             text += "," + attrs_json[attrs]
@@ -134,7 +135,7 @@ def _tails(lay: ProcessLayout) -> list[str]:
             text += ',"error":' + _json(error)
         if incomplete:
             text += ',"incomplete":true'
-        return text + "}" + (f',"cname":"{ERROR_CNAME}"' if failed else "") + "}"
+        return text + args + "}" + (f',"cname":"{ERROR_CNAME}"' if failed else "") + event + "}"
 
     width = len(lay.attrs) + 1
     table = np.array([tail_of(k // 4 // width, k // 4 % width - 1, bool(k & 2), bool(k & 1))
@@ -142,6 +143,15 @@ def _tails(lay: ProcessLayout) -> list[str]:
     out = table[of_span.reshape(-1)].tolist()
     for i, error in spans.errors.items():
         out[i] = tail_of(int(spans.status[i]), int(spans.attrs[i]), bool(spans.incomplete[i]), True, error)
+    flows = lay.flows
+    if flows is not None:  # comm spans: the flow (v2: bind_id, flow_in, flow_out) and the last-arrival mark
+        for i, flow, into, out_of, last in zip(flows.span.tolist(), flows.flow.tolist(), flows.flow_in.tolist(),
+                                               flows.flow_out.tolist(), flows.last_arrival.tolist()):
+            event = f',"bind_id":"{flow:#x}"' if flow else ""
+            event += ',"flow_in":true' if flow and into else ""
+            event += ',"flow_out":true' if flow and out_of else ""
+            out[i] = tail_of(int(spans.status[i]), int(spans.attrs[i]), bool(spans.incomplete[i]),
+                             bool(spans.failed[i]), spans.errors.get(i), ',"last_arrival":true' if last else "", event)
     return out
 
 

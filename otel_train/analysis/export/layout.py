@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from itertools import repeat
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -36,6 +36,8 @@ TID_STRIDE = 100_000
 """Track k of process pid gets tid ``pid * TID_STRIDE + k + 1``: unique across the whole trace."""
 NO_STEP = -1
 """Step column value of a span, instant or counter recorded outside any step."""
+COMM_TID = "comm"
+"""The thread key of a process's comm track: every ``comm.*`` span goes there, whichever thread issued it."""
 
 _encode = msgspec.json.Encoder().encode
 
@@ -232,7 +234,7 @@ def _name_tracks(tracks: list[Track]) -> None:
     per_tid: dict[int | None, int] = {}
     for track in tracks:
         k = per_tid[track.tid] = per_tid.get(track.tid, 0) + 1
-        base = "main" if track.tid is None else f"thread {track.tid}"
+        base = "main" if track.tid is None else COMM_TID if track.tid == COMM_TID else f"thread {track.tid}"
         track.name = base if k == 1 else f"{base} · task {k}"
 
 
@@ -287,6 +289,18 @@ class CounterColumns:
 
 
 @dataclass(slots=True)
+class FlowColumns:
+    """The marked spans (sparse; comm spans are a small share): span index, flow id (0: none), whether
+    the flow comes in and goes out there, whether the span is its collective's last arrival."""
+
+    span: np.ndarray
+    flow: np.ndarray
+    flow_in: np.ndarray
+    flow_out: np.ndarray
+    last_arrival: np.ndarray
+
+
+@dataclass(slots=True)
 class ProcessLayout:
     """A process ready to write (see the module doc)."""
 
@@ -301,6 +315,7 @@ class ProcessLayout:
     statuses: list[str]
     attrs: list[dict[str, Any]]
     counter_keys: list[str]
+    flows: FlowColumns | None = None  # comm spans' flows and last-arrival marks (docs/export.md)
 
     @property
     def pid(self) -> int:
@@ -333,14 +348,27 @@ def process_labels(trace: ProcessState) -> str:
     return ", ".join(parts)
 
 
-def layout_process(trace: ProcessState, index: int) -> ProcessLayout:
-    """Columns, tracks and display names of one finished ``keep=True`` process state."""
+def layout_process(trace: ProcessState, index: int, marks: Mapping[str, Any] | None = None) -> ProcessLayout:
+    """Columns, tracks and display names of one finished ``keep=True`` process state; ``marks``: span id
+    -> an object with ``flow``, ``flow_in``, ``flow_out``, ``last_arrival`` (export/flows.py)."""
     names, statuses, attrs = Codes(), Codes(), Codes()
     spans, tracks, position = _span_columns(trace, names, statuses, attrs)
     instants = _instant_columns(trace.instants, spans.track, position, tracks, names)
     counters, keys = _counter_columns(trace.scalars)
     return ProcessLayout(index, process_name(trace), process_labels(trace), tracks, spans, instants, counters,
-                         names.values, statuses.values, attrs.values, keys)
+                         names.values, statuses.values, attrs.values, keys, _flow_columns(marks, position))
+
+
+def _flow_columns(marks: Mapping[str, Any] | None, position: dict[str | None, int]) -> FlowColumns | None:
+    if not marks:
+        return None
+    found = sorted((position[sid], m) for sid, m in marks.items() if sid in position)
+    if not found:
+        return None
+    index = np.fromiter((i for i, _ in found), np.int64, len(found))
+    column = lambda name, dtype: np.fromiter((getattr(m, name) for _, m in found), dtype, len(found))  # noqa: E731
+    return FlowColumns(index, column("flow", np.int64), column("flow_in", bool), column("flow_out", bool),
+                       column("last_arrival", bool))
 
 
 def _span_columns(trace: ProcessState, names: Codes, statuses: Codes, attrs: Codes
@@ -358,7 +386,9 @@ def _span_columns(trace: ProcessState, names: Codes, statuses: Codes, attrs: Cod
     end = np.maximum(start, np.where(np.isnan(closed), last, closed))
     ids = [s.span_id for s in spans]
     position = dict(zip(ids, range(n)))
-    track, tracks = _tracks(start, end, [s.tid for s in spans], ids, [s.parent_span_id for s in spans], position)
+    name_codes = names([s.name for s in spans])
+    track, tracks = _tracks(start, end, _comm_tids(spans, name_codes, names.values), ids,
+                            [s.parent_span_id for s in spans], position)
     attr_codes = _attr_codes([s.attrs for s in spans], attrs)
     status = statuses([s.status for s in spans])
     error_list = [s.error for s in spans]
@@ -366,13 +396,23 @@ def _span_columns(trace: ProcessState, names: Codes, statuses: Codes, attrs: Cod
     failed = status == statuses.index.get(schema.STATUS_ERROR, -1)
     failed[list(errors)] = True
     columns = SpanColumns(
-        start_us=whole_us(start), end_us=whole_us(end), track=track, name=names([s.name for s in spans]),
+        start_us=whole_us(start), end_us=whole_us(end), track=track, name=name_codes,
         step=_steps([s.step for s in spans]),
         status=status, attrs=attr_codes,
         incomplete=np.isnan(closed) | (status == statuses.index.get(schema.STATUS_INCOMPLETE, -1)),
         failed=failed, span_ids=utf8_column(ids), errors=errors,
     )
     return columns, tracks, position
+
+
+def _comm_tids(spans: list[Span], name_codes: np.ndarray, names: list[str]) -> list[Any]:
+    """The spans' thread keys, with every ``comm.*`` span on the comm track (:data:`COMM_TID`)."""
+    tids: list[Any] = [s.tid for s in spans]
+    comm = [code for code, name in enumerate(names) if schema.comm_op_of(name) is not None]
+    if comm:
+        for i in np.flatnonzero(np.isin(name_codes, comm)).tolist():
+            tids[i] = COMM_TID
+    return tids
 
 
 def _attr_codes(attr_list: list[dict[str, Any] | None], attrs: Codes) -> np.ndarray:

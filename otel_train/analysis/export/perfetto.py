@@ -57,6 +57,8 @@ TE_TYPE = 9
 TE_NAME_IID = 10
 TE_TRACK_UUID = 11
 TE_DOUBLE_COUNTER_VALUE = 44
+TE_FLOW_IDS = 47  # repeated fixed64: flows that start at or pass through this event
+TE_TERMINATING_FLOW_IDS = 48  # repeated fixed64: flows that end at this event
 TYPE_SLICE_BEGIN = 1
 TYPE_SLICE_END = 2
 TYPE_INSTANT = 3
@@ -395,7 +397,28 @@ def _span_annotation_rows(lay: ProcessLayout, lo: int, hi: int) -> Rows:
     error_code[list(errors)] = np.arange(len(errors))
     rows.lookup([debug_annotation(schema.ERROR, e) for e in errors.values()], error_code)
     rows.const(debug_annotation("incomplete", True), spans.incomplete[lo:hi])
+    _flow_fields(lay, rows, lo, hi)
     return rows
+
+
+def _flow_fields(lay: ProcessLayout, rows: Rows, lo: int, hi: int) -> None:
+    """Comm spans lo..hi: ``last_arrival`` and their flow, as TrackEvent fields after the annotations (a
+    flow that goes on from a span is in ``flow_ids``, one that ends there in ``terminating_flow_ids``)."""
+    flows = lay.flows
+    if flows is None:
+        return
+    inside = (flows.span >= lo) & (flows.span < hi)
+    if not inside.any():
+        return
+    items: list[bytes] = []
+    code = np.full(rows.n, -1)
+    for i, flow, out_of, last in zip(flows.span[inside].tolist(), flows.flow[inside].tolist(),
+                                     flows.flow_out[inside].tolist(), flows.last_arrival[inside].tolist()):
+        field = TE_FLOW_IDS if out_of else TE_TERMINATING_FLOW_IDS
+        extra = _key(field, _WT_I64) + struct.pack("<Q", flow) if flow else b""
+        code[i - lo] = len(items)
+        items.append((debug_annotation("last_arrival", True) if last else b"") + extra)
+    rows.lookup(items, code)
 
 
 def _instant_annotations(lay: ProcessLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

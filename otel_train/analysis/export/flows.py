@@ -1,0 +1,253 @@
+"""What an export draws across processes for communication (docs/export.md, "Communication").
+
+Each writer renders one process at a time, but a collective spans its group's ranks: before the
+processes are rendered, :func:`comm_plan` reads every process's ``comm.*`` records (only the lines
+that hold them: a byte search, then the span model), adds the ops of Flight Recorder dumps, builds the
+comm graph (:func:`otel_train.analysis.comm.build_graphs`: the one copy of the matching rules) and
+turns it into marks per process:
+
+* a **flow** per collective, through its members' spans in arrival order (first member: flow out;
+  middle: in and out; last: in), and one per send -> recv pair;
+* **last arrival**: the member that arrived last at a collective every member reached
+  (:meth:`CommGraph.arrivals`);
+* a **culprit** instant on the comm track of the rank a hang waits for
+  (:func:`otel_train.analysis.comm.wait_chains`) and of the minority side of a desync
+  (:meth:`CommGraph.desync_sides`);
+* the ops only a dump saw, as spans of their own (``source: flight_recorder``).
+
+Flow ids are numbered here, so they are unique in the trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from otel_train import schema
+from otel_train.analysis.export.layout import COMM_TID
+from otel_train.analysis.comm import SOURCE_FR, CommGraph, CommOp, build_graphs, wait_chains
+from otel_train.analysis.flight_recorder import FlightRecorderDumps, read_dumps
+from otel_train.analysis.records import BadLines, Head, Instant, ProcessFiles, Warn, decode_chunk, open_regular
+from otel_train.analysis.spans import ProcessState, Run, Span
+
+NEEDLES = (b'"comm.', b'"' + schema.INSTANT_MESH.encode() + b'"')
+"""A line holding one of these may be a comm record (a ``comm.*`` span, a ``comm.group`` instant, a mesh)."""
+CULPRIT = "culprit"
+"""Name of the instant that marks a hang's or a desync's culprit on its comm track."""
+LAST_ARRIVAL = "last_arrival"
+FR_SPAN_PREFIX = "fr:"
+_BLOCK = 4 << 20
+
+Key = tuple[str, int, int]  # (source, rank, attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class SpanMark:
+    """What one ``comm.*`` span carries beyond its record: its flow and whether it arrived last."""
+
+    flow: int = 0  # 0: none
+    flow_in: bool = False
+    flow_out: bool = False
+    last_arrival: bool = False
+
+
+@dataclass(slots=True)
+class ProcessMarks:
+    """One process's marks: per span id, the spans only a dump saw, the culprit instants."""
+
+    spans: dict[str, SpanMark] = field(default_factory=dict)
+    extra_spans: list[Span] = field(default_factory=list)
+    instants: list[Instant] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CommPlan:
+    """Marks per (source, rank, attempt), and counts: flows (arrows drawn) and the dumps read."""
+
+    marks: dict[Key, ProcessMarks] = field(default_factory=dict)
+    flows: int = 0
+    dumps: FlightRecorderDumps | None = None
+
+    def of(self, source: str, rank: int, attempt: int) -> ProcessMarks | None:
+        return self.marks.get((source, rank, attempt))
+
+
+def comm_plan(order: list[tuple[ProcessFiles, int, Head | None]], fr: Path | None, warn: Warn) -> CommPlan:
+    """The marks of the run's processes (``order``: :func:`~otel_train.analysis.spans.process_order`)
+    with the Flight Recorder dumps under ``fr`` (none when None or missing)."""
+    states = [s for s in (scan_comm(pf, attempt, meta) for pf, attempt, meta in order) if s.records]
+    plan = CommPlan()
+    if fr is not None and fr.exists():
+        known = [g for s in states for g in s.comm_groups.values()]
+        world = max((s.world_size or 0 for s in states), default=0) or None
+        plan.dumps = read_dumps(fr, warn=warn, world_size=world, groups=known)
+    dump_ops = plan.dumps.ops if plan.dumps is not None else []
+    exported = {(pf.source, pf.rank, attempt) for pf, attempt, _ in order}
+    groups = plan.dumps.groups.values() if plan.dumps is not None else ()
+    ids = itertools.count(1)
+    for graph in build_graphs(Run(states), dump_ops, groups).values():
+        _mark_graph(plan, graph, ids, exported)
+    return plan
+
+
+def scan_comm(pf: ProcessFiles, attempt: int, meta: Head | None) -> ProcessState:
+    """A process's comm records only (``keep=False``): the lines holding a :data:`NEEDLES` string, fed
+    to the span model (bad lines are the full read's to count and report)."""
+    state = ProcessState.of(pf, attempt, meta=meta)
+    bad = BadLines(collect=True)
+    for path in pf.paths:
+        for data in _comm_lines(path):
+            state.feed(decode_chunk(data, path, lambda: 0, bad))
+    return state
+
+
+def _comm_lines(path: Path) -> Iterator[bytes]:
+    """The lines of ``path`` that may be comm records, a block at a time."""
+    try:
+        f = open_regular(path)
+    except OSError:
+        return
+    with f:
+        carry = b""
+        while True:
+            try:
+                block = f.read(_BLOCK)
+            except OSError:
+                return
+            data = carry + block if carry else block
+            if not block:
+                cut = len(data)
+            else:
+                cut = data.rfind(b"\n") + 1
+            whole, carry = data[:cut], data[cut:]
+            lines = _matching(whole)
+            if lines:
+                yield lines
+            if not block:
+                return
+
+
+def _matching(data: bytes) -> bytes:
+    found: list[tuple[int, int]] = []
+    for needle in NEEDLES:
+        at = data.find(needle)
+        while at >= 0:
+            start = data.rfind(b"\n", 0, at) + 1
+            end = data.find(b"\n", at)
+            end = len(data) if end < 0 else end + 1
+            found.append((start, end))
+            at = data.find(needle, end)
+    if not found:
+        return b""
+    found = sorted(set(found))
+    return b"".join(data[a:b] for a, b in found)
+
+
+# ---------------------------------------------------------------------------------------------
+# Marks from the graph
+
+
+def _mark_graph(plan: CommPlan, graph: CommGraph, ids: Iterator[int], exported: set[Key]) -> None:
+    def marks(rank: int) -> ProcessMarks | None:
+        key = (graph.source, rank, graph.attempt)
+        if key not in exported:
+            return None
+        return plan.marks.setdefault(key, ProcessMarks())
+
+    for op in graph.all_ops():
+        if op.source == SOURCE_FR and op.span_id is None and (pm := marks(op.rank)) is not None:
+            pm.extra_spans.append(dump_span(op))
+    for members in graph.collectives.values():
+        ops = sorted((o for o in members.values() if o.start is not None and marks(o.rank) is not None),
+                     key=lambda o: (o.start, o.rank))
+        _chain(plan, ops, ids, marks)
+    for send, recv in graph.p2p.values():
+        if send is not None and recv is not None and marks(send.rank) and marks(recv.rank):
+            _chain(plan, [send, recv], ids, marks)
+    for arrival in graph.arrivals():
+        op = graph.collectives[(arrival.group, arrival.seq)][arrival.last]
+        pm = marks(op.rank)
+        if pm is not None:
+            sid = span_id_of(op)
+            pm.spans[sid] = _replace(pm.spans.get(sid, SpanMark()), last_arrival=True)
+    for rank, instant in _culprits(graph):
+        pm = marks(rank)
+        if pm is not None:
+            pm.instants.append(instant)
+
+
+def _chain(plan: CommPlan, ops: list[CommOp], ids: Iterator[int], marks) -> None:
+    """One flow through ``ops`` (in order): out of the first, through the middle, into the last."""
+    if len(ops) < 2:
+        return
+    flow = next(ids)
+    plan.flows += len(ops) - 1
+    for i, op in enumerate(ops):
+        pm = marks(op.rank)
+        sid = span_id_of(op)
+        old = pm.spans.get(sid, SpanMark())
+        pm.spans[sid] = SpanMark(flow, i > 0, i < len(ops) - 1, old.last_arrival)
+
+
+def _replace(mark: SpanMark, **changes: bool) -> SpanMark:
+    values = {"flow": mark.flow, "flow_in": mark.flow_in, "flow_out": mark.flow_out, "last_arrival": mark.last_arrival}
+    values.update(changes)
+    return SpanMark(**values)
+
+
+def span_id_of(op: CommOp) -> str:
+    """The op's span id: the trace's, or for an op only a dump saw one made from its identity."""
+    if op.span_id:
+        return op.span_id
+    peer = "" if op.peer is None else f":{op.peer}"
+    return f"{FR_SPAN_PREFIX}{op.group}:{op.seq}:{op.op}{peer}"
+
+
+def dump_span(op: CommOp) -> Span:
+    """An op only a Flight Recorder dump saw, as a span (open while the rank waits in it)."""
+    attrs: dict = {schema.ATTR_COMM_GROUP: op.group, schema.ATTR_COMM_SEQ: op.seq, "source": SOURCE_FR,
+                   "state": op.state}
+    for key, value in ((schema.ATTR_COMM_PEER, op.peer), (schema.ATTR_COMM_BYTES, op.nbytes),
+                       (schema.ATTR_COMM_DTYPE, op.dtype)):
+        if value is not None:
+            attrs[key] = value
+    status = "open" if op.waiting else schema.STATUS_OK
+    end = None if op.waiting else (op.end if op.end is not None else op.start)
+    return Span(schema.comm_span_name(op.op), span_id_of(op), None, None, op.start or 0.0, end, status, op.tid,
+                op.step, attrs)
+
+
+def _culprits(graph: CommGraph) -> Iterable[tuple[int, Instant]]:
+    """(rank, instant) for each hang's culprit (the rank the waiting ones wait for) and each desync's
+    minority side, at the moment the first waiter arrived (a desync: the culprit's own op)."""
+    for culprit, links in sorted(wait_chains(graph, graph.waiting()).items()):
+        first = min((op for _, op in links), key=lambda o: o.start or 0.0)
+        waiting = sorted({w for w, _ in links})
+        message = (f"rank {culprit} never issued {first.op} #{first.seq} of group {first.group}; "
+                   f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait")
+        yield culprit, _instant(first.start, {"kind": "hang", "group": first.group, "seq": first.seq,
+                                              "op": first.op, "waiting": waiting, "message": message})
+    for group in sorted(graph.desynced):
+        found = graph.desync_sides(group)
+        if found is None:
+            continue
+        seq, sides = found
+        smallest = min(len(r) for r in sides.values())
+        minority = [r for ranks in sides.values() for r in ranks if len(ranks) == smallest]
+        if smallest == max(len(r) for r in sides.values()):
+            minority = [r for ranks in sides.values() for r in ranks]
+        ops = graph.collectives.get((group, seq), {})
+        described = {str(r): ops[r].describe() for r in sorted(ops)}
+        for rank in sorted(minority):
+            op = ops.get(rank)
+            ts = op.start if op is not None else min((o.start or 0.0 for o in ops.values()), default=0.0)
+            message = f"group {group} seq {seq}: " + ", ".join(f"rank {r}: {d}" for r, d in described.items())
+            yield rank, _instant(ts, {"kind": "desync", "group": group, "seq": seq, "ops": described,
+                                      "message": message})
+
+
+def _instant(ts: float | None, attrs: dict) -> Instant:
+    return Instant(v=schema.SCHEMA_VERSION, ts=ts or 0.0, name=CULPRIT, attrs=attrs, tid=COMM_TID)  # type: ignore[arg-type]
+
