@@ -235,3 +235,48 @@ def test_run_without_comm_has_no_comm_track(tmp_path: Path) -> None:
     result, data = _chrome(tmp_path / "run", tmp_path)
     assert result.flows == 0 and "comm" not in _threads(data).values()
     assert not any("bind_id" in e for e in data["traceEvents"])
+
+
+def test_cli_export_fr(tmp_path: Path) -> None:
+    """``otel-train export --fr PATH``: real dumps (tests/data/fr) merged, a garbage file skipped with one
+    line, a missing ``--fr`` path a warning, never a traceback."""
+    import shutil
+    import subprocess
+    import sys
+
+    run = hung_run(tmp_path / "run")
+    fr = tmp_path / "dumps"
+    shutil.copytree(Path(__file__).parent / "data" / "fr" / "later", fr)
+    (fr / "rank_2.json").write_text("{ torn")
+    cli = [sys.executable, "-m", "otel_train.cli"]
+    out = tmp_path / "t.json"
+    proc = subprocess.run([*cli, "export", str(run), "--fr", str(fr), "-o", str(out)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ops from Flight Recorder dumps" in proc.stdout and "Traceback" not in proc.stderr
+    assert sum("rank_2.json" in line for line in proc.stderr.splitlines()) == 1
+    data = json.loads(out.read_text())
+    assert any(e.get("args", {}).get("source") == "flight_recorder" for e in data["traceEvents"])
+    proc = subprocess.run([*cli, "export", str(run), "--fr", str(tmp_path / "nope"), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--fr" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_desync_culprit_marked(tmp_path: Path) -> None:
+    """Rank 1 calls broadcast where ranks 0 and 2 call all_reduce at seq 1: the culprit instant is on
+    rank 1's comm track, naming each side."""
+    procs = [Proc(rank=r, world_size=3, t0=T0) for r in range(3)]
+    for p in procs:
+        _group(p, "0", "default_pg", [0, 1, 2])
+        p.set_step(0)
+        p.start("step")
+        p.advance(1.0)
+        _comm(p, "broadcast" if p.rank == 1 else "all_reduce", 1, 2.0)
+        p.end()
+        p.shutdown()
+    write_run(tmp_path / "run", procs)
+    _, data = _chrome(tmp_path / "run", tmp_path)
+    marks = [e for e in data["traceEvents"] if e["ph"] == "i" and e["name"] == "culprit"]
+    assert [(_procs(data)[e["pid"]], e["args"]["kind"], e["args"]["seq"]) for e in marks] == [(1, "desync", 1)]
+    assert _threads(data)[(marks[0]["pid"], marks[0]["tid"])] == "comm"
+    assert "broadcast" in marks[0]["args"]["message"] and "all_reduce" in marks[0]["args"]["message"]

@@ -1,4 +1,5 @@
-"""``otel-train export PATH [--output FILE] [--format chrome|perfetto|otlp-json] [--ranks 0,3-5] [--steps 100-200]``."""
+"""``otel-train export PATH [--output FILE] [--format chrome|perfetto|otlp-json] [--ranks 0,3-5] [--steps 100-200]
+[--fr PATH]``."""
 
 from __future__ import annotations
 
@@ -53,6 +54,11 @@ def export(
     ),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Only these ranks, e.g. 0,3-5."),
     steps: Optional[str] = typer.Option(None, "--steps", help="Only these steps (inclusive), e.g. 100-200."),
+    fr: Optional[Path] = typer.Option(
+        None, "--fr",
+        help="Flight Recorder dumps (a file or a directory; pickle or JSON, any name holding the rank) merged "
+             "with the trace's comm ops (default <run>/flight_recorder/).",
+    ),
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
@@ -65,11 +71,15 @@ def export(
             fail(str(exc))
         with byte_progress(path, "exporting") as progress:
             reader = Reader(warn=warn, progress=progress)
-            result = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader)
+            if fr is not None and not fr.exists():
+                warn(f"warning: --fr {fr}: no such file or directory; exporting without Flight Recorder dumps")
+            result = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader, fr=fr)
         note_malformed(result.malformed_lines)
         if result.processes == 0:
             warn("warning: no process matched --ranks; the trace is empty")
         typer.echo(
             f"wrote {result.output}: {result.processes} processes, {result.slices} slices, "
             f"{result.instants} instants, {result.counters} counter samples"
+            + (f", {result.flows} comm flows" if result.flows else "")
+            + (f", {result.dump_ops} ops from Flight Recorder dumps" if result.dump_ops else "")
         )
