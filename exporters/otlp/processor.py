@@ -67,7 +67,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
     """Batches ended spans to an SDK ``SpanExporter`` on a daemon thread; never blocks the caller.
 
     ``dropped`` counts spans lost to a full queue, a failed export, or abandonment at shutdown;
-    ``exported`` counts spans the exporter acknowledged. Spans a ``sampler`` rejects are neither.
+    ``exported`` counts spans the exporter acknowledged with a success status (a redirect is a failed
+    export: see ``wiring.RedirectRefusal``). Spans a ``sampler`` rejects are neither.
     Export failures are reported once per exporter (``otel_train._report``); later ones are only counted.
     """
 
@@ -255,11 +256,15 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             return False
 
     def _report_failure(self, count: int) -> None:
+        # Why, when the exporter can say (otel_train.exporters.otlp.wiring.RedirectRefusal): a redirect.
+        explain = getattr(self.exporter, "_otel_train_explain", None)
+        why = explain() if callable(explain) else None
         _report.report(
             f"otlp export:{type(self.exporter).__name__}",
-            f"{type(self.exporter).__name__} could not export {count} spans; they are dropped and counted "
-            "(otel_train.spans_dropped at shutdown). Check OTEL_EXPORTER_OTLP_ENDPOINT and that the collector "
-            "is reachable",
+            f"{type(self.exporter).__name__} could not export {count} spans"
+            + (f" ({why})" if why else "")
+            + "; they are dropped and counted (otel_train.spans_dropped at shutdown). Check "
+            "OTEL_EXPORTER_OTLP_ENDPOINT and that the collector is reachable",
         )
 
 

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
+from typing import Any
 from contextlib import contextmanager
 from urllib import parse
 
@@ -170,6 +171,47 @@ def _guard_sdk_logs(env: Mapping[str, str]) -> None:
             logger.addFilter(_SDK_LOG_FILTER)
 
 
+class RedirectRefusal:
+    """A response hook for the HTTP exporter's ``requests`` session: a redirect is not delivery.
+
+    The SDK counts every status below 400 as success, and it does not follow redirects, so a collector
+    (or a proxy in front of it) answering ``301``/``302``/``307``/``308`` stores nothing while the export
+    "succeeds". The hook turns such an answer into a failed export (the SDK catches what it raises);
+    :meth:`take` says why, once, for the processor's one-line report.
+    """
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+    def __call__(self, response: Any, *args: Any, **kwargs: Any) -> Any:
+        status = getattr(response, "status_code", 200)
+        if 300 <= status < 400:
+            self.last = (f"the collector answered {status} {getattr(response, 'reason', '') or ''}".rstrip()
+                         + " (a redirect: OTLP exports are not redirected, nothing was stored)")
+            raise NotDelivered(self.last)
+        return response
+
+    def take(self) -> str | None:
+        last, self.last = self.last, None
+        return last
+
+
+class NotDelivered(Exception):
+    """An OTLP/HTTP answer that is not a success status."""
+
+
+def refuse_redirects(exporter: SpanExporter) -> RedirectRefusal | None:
+    """Install a :class:`RedirectRefusal` on an SDK OTLP/HTTP exporter's session; None when it has none."""
+    client = getattr(exporter, "_client", None)
+    session = getattr(getattr(client, "_transport", None), "_session", None)
+    hooks = getattr(session, "hooks", None)
+    if not isinstance(hooks, dict):
+        return None
+    guard = RedirectRefusal()
+    hooks.setdefault("response", []).append(guard)
+    return guard
+
+
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
     _guard_sdk_logs(env)
     protocol = otlp_protocol(env)
@@ -179,7 +221,12 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
                 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             else:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            return OTLPSpanExporter()
+            exporter = OTLPSpanExporter()
+            if protocol == PROTOCOL_HTTP:
+                guard = refuse_redirects(exporter)
+                if guard is not None:
+                    exporter._otel_train_explain = guard.take  # type: ignore[attr-defined]
+            return exporter
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - any construction failure is a configuration problem

@@ -139,6 +139,46 @@ def traces_url(endpoint: str) -> str:
     return urlunsplit(parts._replace(path=path if path.endswith(TRACES_PATH) else path + TRACES_PATH))
 
 
+class Redirected(Exception):
+    """An OTLP/HTTP answer in the 3xx range: the SDK counts it a success, but nothing was stored."""
+
+
+class RedirectRefusal:
+    """A response hook on the HTTP exporter's ``requests`` session: a redirect fails the export.
+
+    The SDK takes every status below 400 as delivery and follows no redirect, so an endpoint answering
+    ``301`` (a proxy, a moved collector) stores nothing while the push "succeeds". What this raises the
+    SDK catches (a failed export); :meth:`take` gives the reason for the one error line.
+    """
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+    def __call__(self, response: object, *args: object, **kwargs: object) -> object:
+        status = getattr(response, "status_code", 200)
+        if 300 <= status < 400:
+            reason = getattr(response, "reason", "") or ""
+            self.last = (f"the endpoint answered {status} {reason}".rstrip()
+                         + " (a redirect: OTLP exports are not redirected, nothing was stored)")
+            raise Redirected(self.last)
+        return response
+
+    def take(self) -> str | None:
+        last, self.last = self.last, None
+        return last
+
+
+def refuse_redirects(exporter: SpanExporter) -> RedirectRefusal | None:
+    """Hook a :class:`RedirectRefusal` into an SDK OTLP/HTTP exporter's session (None for gRPC)."""
+    session = getattr(getattr(getattr(exporter, "_client", None), "_transport", None), "_session", None)
+    hooks = getattr(session, "hooks", None)
+    if not isinstance(hooks, dict):
+        return None
+    refusal = RedirectRefusal()
+    hooks.setdefault("response", []).append(refusal)
+    return refusal
+
+
 class Destination:
     """An SDK span exporter that raises :class:`PushError` (one line, secrets scrubbed) when an export fails.
 
@@ -152,6 +192,7 @@ class Destination:
         self.shown = shown
         self._secrets = sorted({s for s in secrets if len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True)
         self.warnings = [self.scrub(w) for w in warnings]
+        self.refusal = refuse_redirects(exporter)
 
     def scrub(self, text: str) -> str:
         """``text`` on one line, without URL passwords or header values."""
@@ -168,7 +209,8 @@ class Destination:
         except Exception as exc:  # noqa: BLE001 - an exporter bug or a bad value becomes the one line
             raise PushError(self.scrub(f"cannot push to {self.shown}: {type(exc).__name__}: {exc}")) from None
         if result is not SpanExportResult.SUCCESS:
-            raise PushError(self.scrub(f"cannot push to {self.shown}: {failure_reason(records)}"))
+            why = self.refusal.take() if self.refusal is not None else None
+            raise PushError(self.scrub(f"cannot push to {self.shown}: {why or failure_reason(records)}"))
 
     def close(self) -> None:
         """Shut the exporter down (closes its channel or session)."""
