@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import sketch
-from otel_train.analysis.findings import CRASH, HANG, RESTART, findings
+from otel_train.analysis.comm import CommOp, Group
+from otel_train.analysis.findings import CRASH, DESYNC, HANG, RESTART, findings
 from otel_train.analysis.records import (
     AnyRecord,
     BadLines,
@@ -34,6 +35,7 @@ from otel_train.analysis.records import (
     SpanStart,
     Warn,
     ended_since,
+    peek,
     read_digest,
     read_tail,
 )
@@ -45,12 +47,18 @@ FIRST_WINDOW = 64 << 10
 LAST_WINDOW = 4 << 20
 """The largest tail window read while a file is more than 32 times its size: past it the process is
 read whole, streamed (:func:`_whole`), so the windows before cost at most a few % of that read."""
-FAST_KINDS = (HANG, CRASH, RESTART)
-"""The findings ``--fast`` answers; errors and stragglers need every step."""
+FAST_KINDS = (HANG, CRASH, RESTART, DESYNC)
+"""The findings ``--fast`` answers (a desync when its seq is in the tails); errors and stragglers need every step."""
+HEAD_RECORDS = 2000
+"""Records read from the head of a process's oldest segment (within its first 64 KiB) for the
+``comm.group`` and ``otel_train.mesh`` instants: group membership, declared before the first op."""
 
 
-def summarize_fast(path: str | Path, *, warn: Warn | None = None) -> dict[str, Any]:
-    """The ``summarize --json`` keys from each file's tail and digest (docs/cli.md); raises TraceReadError."""
+def summarize_fast(path: str | Path, *, warn: Warn | None = None, extra_ops: list[CommOp] | None = None,
+                   extra_groups: list[Group] | None = None) -> dict[str, Any]:
+    """The ``summarize --json`` keys from each file's tail and digest (docs/cli.md); raises TraceReadError.
+
+    ``extra_ops``/``extra_groups``: comm ops and groups from Flight Recorder dumps (``--fr``)."""
     bad = BadLines(warn)
     read = []
     for pf, attempt, meta in process_order(path, warn=bad.warn):
@@ -58,7 +66,7 @@ def summarize_fast(path: str | Path, *, warn: Warn | None = None) -> dict[str, A
         read.append((tail_state(pf, attempt, meta, bad, digest), digest))
     read = [(s, d) for s, d in read if s.records]
     read.sort(key=lambda sd: (sd[0].rank, sd[0].attempt, sd[0].source))
-    run = Run([s for s, _ in read], bad.count)
+    run = Run([s for s, _ in read], bad.count, list(extra_ops or ()), list(extra_groups or ()))
     return {
         "processes": [{**process_row(d), "records": None} for d in run.processes],  # unknown from a tail
         "unclosed": [row for d in run.processes for row in unclosed_rows(d)],
@@ -88,6 +96,8 @@ def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines,
     if digest is not None and not whole:
         for span in _still_open(pf, digest, state, records):
             state.opened[span.span_id] = span.start_record()
+    if not whole:
+        state.layout(peek(pf, limit=HEAD_RECORDS))  # comm groups and mesh, declared at the head
     bad.absorb(window_bad)
     state.malformed = window_bad.count
     state.first_step = meta.step if meta is not None else None  # restarts report where they began

@@ -23,6 +23,21 @@ Findings (``kind``), decided per group of processes that ran together (same sour
   costs per step, from the what-if model.
 * ``restart``: an attempt after the first; says whether it got further than the one before.
 
+At the communication level (the run's comm graph, :mod:`otel_train.analysis.comm`; docs/comm.md
+"Findings"):
+
+* a ``hang`` names the op: when stopped ranks wait in ``comm.*`` ops, the ranks that never issued
+  their part (members missing from the collective, the peer that never sent or received) are
+  followed through their own waits to the rank that is not waiting in communication: that one is
+  the culprit, every rank waiting on it is a victim (``comm.waiting``). Without comm ops the
+  phase-level rule above decides;
+* ``desync``: the members of one group issued different ops, or different bytes or dtypes, at the
+  same seq; one finding per group (its first such seq), naming the minority side;
+* ``straggler`` by arrival: the member that arrives last at a significant share of its group's
+  collectives, by a margin (:data:`ARRIVAL_MAX_P`, :data:`ARRIVAL_MIN_SHARE`,
+  :data:`ARRIVAL_MIN_GAP_MS`); its peers' waiting is its ``cost_ms``. The phase-level rule judges a
+  phase without the time its comm ops spent waiting for a later peer, so a victim is never named.
+
 Hang and crash findings name the ``victims`` (the peers that waited) and carry the culprit's
 ``stacks`` when it wrote ``stall`` records (every thread's stack at its latest stall, the stalled
 thread first). Live ``watch`` passes which processes are still ``alive`` and which are still
@@ -32,14 +47,19 @@ thread first). Live ``watch`` passes which processes are still ``alive`` and whi
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 
-from otel_train.analysis.spans import ErrorSpan, ProcessState, Run
+from otel_train import schema
+from otel_train.analysis.comm import CommGraph, CommOp, rank_ranges, wait_chains
+from otel_train.analysis.spans import NO_STEP, ErrorSpan, ProcessState, Run
 from otel_train.analysis.stacks import stall_stacks
-from otel_train.analysis.stats import PeerTable, peer_table, sign_test, step_axis
+from otel_train.analysis.stats import (
+    PeerTable, align, binom_sf, columns, peer_medians, peer_table, per_step, sign_test, step_axis,
+)
 from otel_train.analysis.whatif import Window, scenarios, step_cost, sync_table
 from otel_train.phases import STEP
 
@@ -48,7 +68,8 @@ CRASH = "crash"
 ERROR = "error"
 STRAGGLER = "straggler"
 RESTART = "restart"
-FINDING_KINDS = (HANG, CRASH, ERROR, STRAGGLER, RESTART)
+DESYNC = "desync"
+FINDING_KINDS = (HANG, CRASH, ERROR, STRAGGLER, RESTART, DESYNC)
 
 STRAGGLER_MAX_P = 0.01
 """A rank is slower than its peers' median in more steps than chance would give: sign test p below this ..."""
@@ -58,6 +79,15 @@ STRAGGLER_MIN_EXCESS_MS = 0.5
 """... and its median excess (after discounting waiting) is at least this many ms ..."""
 STRAGGLER_MIN_EXCESS_PCT = 5.0
 """... and at least this percentage of the phase's median duration."""
+ARRIVAL_MAX_P = 1e-3
+"""A rank is last to arrive at more of its group's collectives than chance (1 / members) gives: binomial
+p below this ..."""
+ARRIVAL_MIN_SHARE = 0.5
+"""... at least this share of them ..."""
+ARRIVAL_MIN_GAP_MS = 1.0
+"""... by a median margin over the second-to-last arrival of at least this many ms ..."""
+ARRIVAL_MIN_GAP_PCT = 5.0
+"""... and this percentage of the rank's median step time."""
 
 
 def _finding(kind: str, d: ProcessState | None, step: int | None, phase: str | None, message: str, **extra: Any):
@@ -74,24 +104,30 @@ def _finding(kind: str, d: ProcessState | None, step: int | None, phase: str | N
 
 def findings(
     run: Run, *, alive: Collection[ProcessState] = (), running: Collection[ProcessState] = (),
-    stragglers: bool = True,
+    stragglers: bool = True, graphs: dict[tuple[str, int], CommGraph] | None = None,
 ) -> list[dict[str, Any]]:
-    """All findings, culprits only: hangs and crashes first, then errors, stragglers, restarts.
+    """All findings, culprits only: hangs and crashes first, then desyncs, errors, stragglers, restarts.
 
     For a live snapshot: ``alive`` processes have not died (whether or not they wrote ``process_end``
     yet), ``running`` ones (a subset) are still making progress and so are neither hung nor crashed;
     ``stragglers=False`` leaves out the straggler rule (``watch`` asks it over recent steps itself).
+    ``graphs``: the comm graphs by (source, attempt) (default: ``run.comm``; ``watch`` keeps its own).
     """
+    graphs = run.comm if graphs is None else graphs
     order = {name: i for i, name in enumerate(run.phase_order())}
     out: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     slow: list[dict[str, Any]] = []
     for group in run.groups():
-        culprits, stop_found = _stop_findings(group, order, alive, running)
+        graph = graphs.get((group[0].source, group[0].attempt))
+        graph = graph if graph is not None and graph.ops else None
+        culprits, stop_found = _stop_findings(group, order, alive, running, graph)
         out.extend(stop_found)
+        if graph is not None:
+            out.extend(desync_findings(group, graph))
         errors.extend(_error_findings(group, culprits))
         if stragglers:
-            slow.extend(straggler_findings(group, run.phase_order()))
+            slow.extend(straggler_findings(group, run.phase_order(), graph=graph))
     return out + errors + slow + _restart_findings(run)
 
 
@@ -120,7 +156,7 @@ def _position(d: ProcessState, order: dict[str, int]) -> tuple[int, float]:
 
 def _stop_findings(
     group: list[ProcessState], order: dict[str, int], alive: Collection[ProcessState] = (),
-    running: Collection[ProcessState] = (),
+    running: Collection[ProcessState] = (), graph: CommGraph | None = None,
 ) -> tuple[list[ProcessState], list[dict[str, Any]]]:
     """Hang and crash findings of one group; returns (culprits, findings)."""
 
@@ -136,17 +172,11 @@ def _stop_findings(
         # (e.g. a collective failing once the stuck rank was killed).
         first_stop = min(d.innermost.start_ts for d in stopped)  # type: ignore[union-attr]
         died_outside = [d for d in died_outside if (d.last_ts or 0.0) <= first_stop]
-    found = []
-    for d in died_outside:
-        step, phase = _where(d)
-        found.append(
-            _finding(
-                CRASH, d, step, phase,
-                f"rank {d.rank} (attempt {d.attempt}) ended without shutdown after step {step}"
-                f" (last record: {d.last_event}); it died outside any span",
-                victims=[p.rank for p in stopped],
-            )
-        )
+    if stopped and graph is not None:
+        decided = _comm_stop_findings(group, stopped, others, died_outside, graph, dead)
+        if decided is not None:
+            return decided
+    found = [_died_outside(d, stopped) for d in died_outside]
     culprits = list(died_outside)
     if not stopped or died_outside:
         return culprits, found  # stopped ranks, if any, were waiting for the crashed one
@@ -169,6 +199,16 @@ def _stop_findings(
         found.append(_stopped_inside(d, crashed, ahead, others))
         culprits.append(d)
     return culprits, found
+
+
+def _died_outside(d: ProcessState, stopped: list[ProcessState]) -> dict[str, Any]:
+    step, phase = _where(d)
+    return _finding(
+        CRASH, d, step, phase,
+        f"rank {d.rank} (attempt {d.attempt}) ended without shutdown after step {step}"
+        f" (last record: {d.last_event}); it died outside any span",
+        victims=[p.rank for p in stopped],
+    )
 
 
 def _stopped_inside(d: ProcessState, crashed: bool, ahead: list[ProcessState], others: list[ProcessState]
@@ -300,7 +340,7 @@ def _error_findings(group: list[ProcessState], culprits: list[ProcessState]) -> 
 
 
 def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | None = None,
-                       window: Window | None = None) -> list[dict[str, Any]]:
+                       window: Window | None = None, graph: CommGraph | None = None) -> list[dict[str, Any]]:
     """Straggler findings of one group of processes that ran together, over the steps ``window``
     (inclusive; live ``watch`` passes its recent steps) or all of them.
 
@@ -309,10 +349,17 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
     sign test, p < ``STRAGGLER_MAX_P``, at least ``STRAGGLER_MIN_STEPS`` steps) *and* its median
     excess is at least ``STRAGGLER_MIN_EXCESS_MS`` and ``STRAGGLER_MIN_EXCESS_PCT`` of the phase's
     median. Each finding carries its score, p-value and its cost per step (from the what-if model).
+
+    With a comm ``graph``: each phase is judged without the time its comm ops waited for a later
+    member, ``comm.*`` spans are left to the arrival rule (:func:`arrival_findings`), and a rank the
+    arrival rule names in a phase is not named again by the phase rule in that phase.
     """
     if len(group) < 2:
         return []
-    names = [n for n in (order or Run(list(group)).phase_order()) if any(n in d.phases for d in group)]
+    arrivals = arrival_findings(group, graph, window) if graph is not None else []
+    named = {(f["rank"], f["phase"]) for f in arrivals}
+    names = [n for n in (order or Run(list(group)).phase_order())
+             if any(n in d.phases for d in group) and not n.startswith(schema.COMM_PREFIX)]
     children = {n for n in names if any(d.parents.get(n) == STEP for d in group)}
     axis = step_axis(group, names)
     if window is not None:
@@ -321,14 +368,17 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
     # in the earlier child phases of the same step. Waiting for a later peer is explained excess.
     lateness = np.zeros((axis.size, len(group)))
     out: list[dict[str, Any]] = []
+    waits = _waits(group, graph) if graph is not None else None
     for name in names:
         table = peer_table(group, name, axis)
+        if waits is not None and name != STEP:
+            table = _without_waiting(table, group, name, waits)
         excess = table.durs - table.peers
         net = excess - (lateness.max(axis=1, keepdims=True) - lateness) if name in children else excess
         if name in children:
             lateness += np.nan_to_num(excess)
-        out.extend(_stragglers_in(group, table, net))
-    return _with_costs(group, out, window)
+        out.extend(f for f in _stragglers_in(group, table, net) if (f["rank"], f["phase"]) not in named)
+    return _with_costs(group, out, window) + arrivals
 
 
 def _stragglers_in(group: Sequence[ProcessState], table: PeerTable, net: np.ndarray) -> list[dict[str, Any]]:
@@ -410,3 +460,290 @@ def _restart_findings(run: Run) -> list[dict[str, Any]]:
 
 def _reach(ds: list[ProcessState]) -> int | None:
     return max((d.final_step for d in ds if d.final_step is not None), default=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication: the op a hang waits in, desyncs, arrival stragglers (docs/comm.md "Findings")
+
+
+def _hms(ts: float | None) -> str:
+    return "?" if ts is None else datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%H:%M:%S")
+
+
+def _ranks_word(ranks: Collection[int], singular: str = "waits", plural: str = "wait") -> str:
+    return f"rank {rank_ranges(ranks)} {singular}" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)} {plural}"
+
+
+def _comm_stop_findings(
+    group: list[ProcessState], stopped: list[ProcessState], others: list[ProcessState],
+    died_outside: list[ProcessState], graph: CommGraph, dead: Callable[[ProcessState], bool],
+) -> tuple[list[ProcessState], list[dict[str, Any]]] | None:
+    """Hang (or crash) findings from the ops the stopped ranks wait in; None when none waits in one."""
+    waits = graph.waiting(d.rank for d in stopped)
+    if not waits:
+        return None
+    by_rank = {d.rank: d for d in group}
+    failed = None if died_outside else _fatal_error_before(stopped, others)
+    chains = wait_chains(graph, waits)
+    if failed is not None and (not chains or failed.rank in chains):
+        return [failed], []  # it raised, the launcher stopped the others: its error finding names it
+    chains = {c: links for c, links in chains.items()
+              if not all(graph.desynced.get(op.group) == op.seq for _, op in links)}
+    if not chains:
+        desynced = [d for d in stopped if any(graph.desynced.get(op.group) == op.seq for op in waits.get(d.rank, ()))]
+        if desynced:
+            return _desync_culprits(group, graph), []  # the desync finding names the culprit
+        return [], [_all_waiting(group[0].attempt, waits, graph)]
+    found, culprits = [], []
+    for c in sorted(chains):
+        d = by_rank.get(c)
+        crashed = d is not None and dead(d) and (len(group) == 1 or any(not dead(p) for p in group if p is not d))
+        found.append(_comm_hang(c, d, group[0].attempt, chains[c], graph, crashed))
+        if d is not None:
+            culprits.append(d)
+    found += [_died_outside(d, stopped) for d in died_outside if d.rank not in chains]
+    return culprits + [d for d in died_outside if d.rank not in chains], found
+
+
+def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[int, CommOp]],
+               graph: CommGraph, crashed: bool) -> dict[str, Any]:
+    """The finding of a rank that never issued its part of the op its peers wait in."""
+    direct = [(w, op) for w, op in links if c in graph.blockers(op)]
+    keys = [(op.group, op.seq, op.p2p) for _, op in direct]
+    key = max(set(keys), key=lambda k: (keys.count(k), -k[1]))
+    first = [(w, op) for w, op in direct if (op.group, op.seq, op.p2p) == key]
+    op = min((o for _, o in first), key=lambda o: o.start or 0.0)
+    waiting = sorted({w for w, _ in links})
+    there = sorted({w for w, _ in first})
+    if op.p2p:
+        ops = {str(w): o.op for w, o in first}
+        missing = [c]
+    else:
+        ops = {str(r): o.op for r, o in sorted(graph.collectives.get((op.group, op.seq), {}).items())}
+        missing = graph.blockers(op)
+    comm = {"group": op.group, "seq": op.seq, "op": op.op, "waiting": waiting, "missing": missing, "ops": ops}
+    if op.peer is not None:
+        comm["peer"] = c
+    message = _comm_hang_message(c, d, op, there, waiting, graph, crashed)
+    step, phase = _where(d) if d is not None else (None, None)
+    stacks = stall_stacks(d) if d is not None else None
+    out = _finding(CRASH if crashed else HANG, d, step, phase, message, victims=waiting, comm=comm,
+                   attempt=attempt, **({"stacks": stacks} if stacks else {}))
+    out["rank"] = c
+    return out
+
+
+def _comm_hang_message(c: int, d: ProcessState | None, op: CommOp, there: list[int], waiting: list[int],
+                       graph: CommGraph, crashed: bool) -> str:
+    since = _hms(op.start)
+    stage = graph.stage(c)
+    who = f"rank {c}" + (f" (pp stage {stage})" if stage is not None else "")
+    if op.p2p:
+        w = there[0]
+        verb, prep = ("sent to", "from") if op.op == "recv" else ("received from", "to")
+        text = f"{who} never {verb} rank {w}, which waits in {op.op} #{op.seq} {prep} {c} since {since}"
+    else:
+        desc = graph.desc(op.group)
+        text = (f"{who} never issued {op.op} #{op.seq} of group {op.group}{f' ({desc})' if desc else ''}; "
+                f"{_ranks_word(there)} in it since {since}")
+    later = [w for w in waiting if w not in there]
+    if later:
+        text += f"; {_ranks_word(later, 'waits on', 'wait on')} those in turn"
+    return text + _culprit_state(c, d, crashed)
+
+
+def _culprit_state(c: int, d: ProcessState | None, crashed: bool) -> str:
+    if d is None:
+        return f"; rank {c} wrote no trace for this attempt: look there"
+    step, _ = _where(d)
+    chain = " > ".join(u.name for u in d.unclosed)
+    if chain:
+        return f"; rank {c} {'died' if crashed else 'is stopped'} inside {chain} at step {step}"
+    if d.ended_cleanly:
+        return f"; rank {c} shut down after step {step}"
+    return f"; rank {c} {'died' if crashed else 'stopped'} outside any span after step {step} (last record: {d.last_event})"
+
+
+def _all_waiting(attempt: int, waits: dict[int, list[CommOp]], graph: CommGraph) -> dict[str, Any]:
+    """Every stopped rank waits in communication and none waits for a rank that is not: every member
+    issued the op (suspect the network or a device), or the ranks wait for each other (a cycle)."""
+    first = min((ops[0] for ops in waits.values()), key=lambda o: (o.seq, o.start or 0.0))
+    ranks = sorted(waits)
+    blocked = any(graph.blockers(op) for ops in waits.values() for op in ops)
+    where = f"{first.op} #{first.seq} of group {first.group}"
+    if blocked:
+        message = (f"ranks {rank_ranges(ranks)} of attempt {attempt} wait for each other in communication "
+                   f"(a cycle, e.g. {where}): a schedule that deadlocks")
+    else:
+        message = (f"{_ranks_word(ranks)} in {where} since {_hms(first.start)}, which every member issued: "
+                   "suspect the network, a device or a peer's backend")
+    ops = {str(r): o.op for r, o in sorted(graph.collectives.get((first.group, first.seq), {}).items())}
+    comm = {"group": first.group, "seq": first.seq, "op": first.op, "waiting": ranks,
+            "missing": graph.blockers(first), "ops": ops or {str(first.rank): first.op}}
+    return _finding(HANG, None, first.step, schema.comm_span_name(first.op), message, attempt=attempt,
+                    ranks=ranks, victims=[], comm=comm)
+
+
+def _minority(graph: CommGraph, group: str, sides: dict[tuple[Any, ...], list[int]]) -> tuple[Any, ...]:
+    """The side of a desync that is the culprit: fewest ranks; then the signature the group issued
+    least often elsewhere; then the side without the lowest rank."""
+    def seen(sig: tuple[Any, ...]) -> int:
+        return sum(1 for (g, _), ops in graph.collectives.items() if g == group
+                   for op in ops.values() if op.signature() == sig)
+    return min(sides, key=lambda sig: (len(sides[sig]), seen(sig), -min(sides[sig])))
+
+
+def _desync_culprits(group: list[ProcessState], graph: CommGraph) -> list[ProcessState]:
+    by_rank = {d.rank: d for d in group}
+    out = []
+    for g in sorted(graph.desynced):
+        found = graph.desync_sides(g)
+        if found is not None:
+            out += [by_rank[r] for r in found[1][_minority(graph, g, found[1])] if r in by_rank]
+    return out
+
+
+def desync_findings(group: list[ProcessState], graph: CommGraph) -> list[dict[str, Any]]:
+    """One finding per group whose members disagree at a seq (its first such seq): the minority side."""
+    by_rank = {d.rank: d for d in group}
+    out = []
+    for g in sorted(graph.desynced):
+        found = graph.desync_sides(g)
+        if found is None or len(found[1]) < 2:
+            continue
+        seq, sides = found
+        culprit_sig = _minority(graph, g, sides)
+        ops = graph.collectives.get((g, seq)) or {
+            op.rank: op for pair in graph.p2p.values() for op in pair if op is not None and op.group == g and op.seq == seq}
+        order = sorted(sides, key=lambda sig: (sig == culprit_sig, min(sides[sig])))
+        parts = [f"{'ranks' if len(sides[sig]) > 1 else 'rank'} {', '.join(map(str, sides[sig]))} "
+                 f"{ops[sides[sig][0]].describe()}" for sig in order]
+        culprits = sides[culprit_sig]
+        op = ops[culprits[0]]
+        desc = graph.desc(g)
+        others = sorted(r for sig in order if sig != culprit_sig for r in sides[sig])
+        comm = {"group": g, "seq": seq, "op": op.op, "waiting": sorted(r for r, o in ops.items() if o.waiting),
+                "missing": [] if op.p2p else graph.blockers(op), "ops": {str(r): o.op for r, o in sorted(ops.items())}}
+        message = f"group {g}{f' ({desc})' if desc else ''} seq {seq}: {', '.join(parts)}"
+        out.append(_finding(DESYNC, by_rank.get(culprits[0]), op.step, schema.comm_span_name(op.op), message,
+                            attempt=group[0].attempt, victims=others, comm=comm, ranks=culprits))
+        out[-1]["rank"] = culprits[0]
+    return out
+
+
+def _waits(group: Sequence[ProcessState], graph: CommGraph) -> dict[int, np.ndarray]:
+    """Rank -> rows (start, end, waited s) of its comm ops that waited for a later member: an op's
+    duration minus the shortest duration among its members (the transfer itself; own clocks only)."""
+    out: dict[int, list[tuple[float, float, float]]] = {}
+    matched = [list(ops.values()) for ops in graph.collectives.values()]
+    matched += [[op for op in pair if op is not None] for pair in graph.p2p.values()]
+    for ops in matched:
+        closed = [o for o in ops if o.end is not None and o.start is not None]
+        if len(closed) < 2:
+            continue
+        shortest = min(o.end - o.start for o in closed)  # type: ignore[operator]
+        for o in closed:
+            waited = (o.end - o.start) - shortest  # type: ignore[operator]
+            if waited > 0:
+                out.setdefault(o.rank, []).append((o.start, o.end, waited))  # type: ignore[arg-type]
+    return {r: np.array(rows, dtype=float) for r, rows in out.items()}
+
+
+def _without_waiting(table: PeerTable, group: Sequence[ProcessState], name: str, waits: dict[int, np.ndarray]
+                     ) -> PeerTable:
+    """``table`` with the waiting of the comm ops inside each span of ``name`` taken out of its step."""
+    durs = table.durs.copy()
+    for j, d in enumerate(group):
+        rows = waits.get(d.rank)
+        steps, ms, ends = columns(d, name)
+        if rows is None or not ms.size:
+            continue
+        starts = ends - ms / 1000.0
+        order = np.argsort(starts)
+        at = np.searchsorted(starts[order], rows[:, 0], side="right") - 1
+        ok = at >= 0
+        span = order[np.clip(at, 0, None)]
+        ok &= ends[span] >= rows[:, 1]
+        ok &= steps[span] != NO_STEP
+        if not ok.any():
+            continue
+        uniq, inverse = np.unique(steps[span[ok]], return_inverse=True)
+        taken = np.bincount(inverse, weights=rows[ok, 2] * 1000.0, minlength=uniq.size)
+        durs[:, j] -= np.nan_to_num(align(table.steps, uniq, taken))
+    return PeerTable(table.phase, table.steps, durs, peer_medians(durs))
+
+
+def arrival_findings(group: Sequence[ProcessState], graph: CommGraph | None, window: Window | None = None
+                     ) -> list[dict[str, Any]]:
+    """Stragglers by arrival: at each collective the last member to arrive made the others wait.
+
+    Per group (and host: arrival times are compared within one host), a rank is named when it is
+    last at a share of the collectives that 1 / members cannot explain (binomial p < ``ARRIVAL_MAX_P``,
+    at least ``ARRIVAL_MIN_SHARE``) by a median margin of at least ``ARRIVAL_MIN_GAP_MS`` and
+    ``ARRIVAL_MIN_GAP_PCT`` of its median step; ``cost_ms`` is what its peers waited at those collectives.
+    """
+    if graph is None:
+        return []
+    by_key: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+    for a in graph.arrivals():
+        if window is None or (a.step is not None and window[0] <= a.step <= window[1]):
+            by_key.setdefault((a.group, a.members), []).append(a)
+    by_rank = {d.rank: d for d in group}
+    best: dict[int, dict[str, Any]] = {}
+    for (g, members), seen in by_key.items():
+        for rank in {a.last for a in seen}:
+            d = by_rank.get(rank)
+            f = _arrival_finding(d, g, members, seen, group, graph) if d is not None else None
+            if f is not None and (rank not in best or f["cost_ms"] > best[rank]["cost_ms"]):
+                best[rank] = f
+    return [best[r] for r in sorted(best)]
+
+
+def _arrival_finding(d: ProcessState, g: str, members: tuple[int, ...], seen: list[Any],
+                     group: Sequence[ProcessState], graph: CommGraph) -> dict[str, Any] | None:
+    last = [a for a in seen if a.last == d.rank]
+    n, k = len(seen), len(last)
+    p = binom_sf(k, n, 1.0 / len(members))
+    if p >= ARRIVAL_MAX_P or k < ARRIVAL_MIN_SHARE * n:
+        return None
+    gap = float(np.median([a.gap_ms for a in last]))
+    _, step_ms = per_step(d, STEP)
+    floor = max(ARRIVAL_MIN_GAP_MS, ARRIVAL_MIN_GAP_PCT / 100.0 * float(np.median(step_ms)) if step_ms.size else 0.0)
+    if gap < floor:
+        return None
+    cost = float(sum(a.waited_ms for a in last))
+    worst = max(last, key=lambda a: a.gap_ms)
+    steps = {a.step for a in last if a.step is not None}
+    phase = _arrival_phase(d, last, group, graph)
+    desc = graph.desc(g)
+    peers = [m for m in members if m != d.rank]
+    ops = sorted({a.op for a in last})
+    message = (f"rank {d.rank} (attempt {d.attempt}) arrived last at {k}/{n} collectives of group {g}"
+               f"{f' ({desc})' if desc else ''} ({'/'.join(ops)}; binomial p={p:.1g}), {gap:.1f} ms after the "
+               f"next-latest at the median; {_ranks_word(peers, 'waited', 'waited')} {cost:.0f} ms in all"
+               f"{f' ({cost / len(steps):.1f} ms per step)' if steps else ''}; before arriving it was in {phase}")
+    comm = {"group": g, "seq": worst.seq, "op": worst.op, "waiting": peers, "missing": [],
+            "ops": {str(m): worst.op for m in members}, "last_at": k, "collectives": n}
+    return _finding(STRAGGLER, d, worst.step, phase, message, p_value=p, gap_ms=gap, cost_ms=cost,
+                    cost_per_step_ms=cost / len(steps) if steps else None, slow_steps=len(steps), victims=peers,
+                    comm=comm, by="arrival")
+
+
+def _arrival_phase(d: ProcessState, last: list[Any], group: Sequence[ProcessState], graph: CommGraph) -> str | None:
+    """The phase that made ``d`` late: the one with the most excess over its peers in the steps it
+    arrived last in (comm spans and ``step`` aside); else the last phase it closed before the op."""
+    steps = np.unique(np.array([a.step for a in last if a.step is not None], dtype=np.int64))
+    j = next(i for i, p in enumerate(group) if p is d)
+    best, excess = None, 0.0
+    for name in d.phases:
+        if name == STEP or name.startswith(schema.COMM_PREFIX) or not steps.size:
+            continue
+        table = peer_table(group, name, steps)
+        total = float(np.nansum(table.durs[:, j] - table.peers[:, j]))
+        if total > excess:
+            best, excess = name, total
+    if best is not None:
+        return best
+    ops = [graph.collectives.get((a.group, a.seq), {}).get(d.rank) for a in last]
+    phases = [o.phase for o in ops if o is not None and o.phase]
+    return max(set(phases), key=phases.count) if phases else None

@@ -18,7 +18,12 @@ stats, findings, every export format, push and ``push --follow``, live ``watch``
 A :class:`ProcessState` is fed record batches in file order (:meth:`ProcessState.feed`): whole files
 in 1 MiB batches, or what a tail of a growing file read since the last poll; both see the same state.
 It keeps per-phase duration columns (what summaries need) and, with ``keep=True``, the spans,
-instants and scalars themselves (what export and push need).
+instants and scalars themselves (what export and push need). Whether kept or not, every ``comm.*``
+span (closed, open or incomplete) is kept as a compact op (:class:`CommLog`, read as
+:class:`~otel_train.analysis.comm.CommOp` by :meth:`ProcessState.comm_ops`), with the
+``comm.group`` and ``otel_train.mesh`` instants: what :mod:`otel_train.analysis.comm` matches across
+ranks (``Run.comm``). A name is checked for the ``comm.`` prefix once, when first seen (its sink), so
+a run without comm spans pays nothing for them.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 import msgspec
 
 from otel_train import schema
+from otel_train.analysis.comm import CommGraph, CommOp, Group, build_graphs
 from otel_train.analysis.records import (
     AnyRecord,
     Head,
@@ -132,6 +138,108 @@ class ErrorSpan:
 
 
 _PLAIN_END = (schema.STATUS_OK, None)
+_NONE = -1
+
+
+class CommLog:
+    """Every ``comm.*`` op a process closed (or shutdown ended), in columns: about 70 bytes an op.
+
+    Strings (group, op, dtype, state, clock, phase) are numbered in ``strings``; span ids are kept
+    as integers. :meth:`op` makes the :class:`~otel_train.analysis.comm.CommOp` of row ``i``.
+    """
+
+    __slots__ = ("strings", "_index", "start", "end", "seq", "peer", "nbytes", "step", "tid", "sid", "codes",
+                 "odd_sids")
+
+    def __init__(self) -> None:
+        self.strings: list[str | None] = [None]
+        self._index: dict[str | None, int] = {None: 0}
+        self.start, self.end = array("d"), array("d")
+        self.seq, self.peer, self.nbytes, self.step, self.tid = (array("q") for _ in range(5))
+        self.sid = array("Q")
+        self.codes = array("I")  # 6 per op: group, op, dtype, state, clock, phase
+        self.odd_sids: dict[int, str] = {}  # span ids that are not 16 hex digits
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def _code(self, value: str | None) -> int:
+        code = self._index.get(value)
+        if code is None:
+            code = self._index[value] = len(self.strings)
+            self.strings.append(value)
+        return code
+
+    def append(self, fields: tuple[Any, ...], start: float, end: float | None, step: int | None,
+               sid: str | None, tid: int | None, state: str, phase: str | None) -> None:
+        """One op: ``fields`` as :func:`comm_fields` gives them."""
+        op, group, seq, peer, nbytes, dtype, clock = fields
+        row = len(self.seq)
+        self.start.append(start)
+        self.end.append(float("nan") if end is None else end)
+        for column, value in ((self.seq, seq), (self.peer, peer), (self.nbytes, nbytes), (self.step, step),
+                              (self.tid, tid)):
+            column.append(_NONE if value is None else value)
+        try:
+            self.sid.append(int(sid, 16) if sid and len(sid) <= 16 else 0)
+        except ValueError:
+            self.sid.append(0)
+        if sid and not self.sid[row]:
+            self.odd_sids[row] = sid
+        self.codes.extend(map(self._code, (group, op, dtype, state, clock, phase)))
+
+    def op(self, i: int, rank: int, attempt: int) -> CommOp:
+        """Row ``i`` as a CommOp."""
+        s = self.strings
+        group, op, dtype, state, clock, phase = (s[c] for c in self.codes[6 * i:6 * i + 6])
+        end = self.end[i]
+        sid = self.odd_sids.get(i) or (f"{self.sid[i]:016x}" if self.sid[i] else None)
+
+        def opt(column: array) -> int | None:
+            return None if column[i] == _NONE else column[i]
+
+        return CommOp(rank, attempt, group or "", self.seq[i], op or "", self.start[i], None if end != end else end,
+                      opt(self.peer), opt(self.nbytes), dtype, opt(self.step), sid, opt(self.tid), state or "ok",
+                      clock=clock or schema.COMM_CLOCK_HOST, phase=phase)
+
+
+def _int(value: Any) -> int | None:
+    return value if type(value) is int and value >= 0 else None
+
+
+def comm_fields(name: str, attrs: dict[str, Any] | None) -> tuple[Any, ...] | None:
+    """(op, group, seq, peer, bytes, dtype, clock) of a ``comm.*`` span's attributes; None without a
+    group and a seq (an op that cannot be matched)."""
+    op = schema.comm_op_of(name)
+    if op is None or not attrs:
+        return None
+    group, seq = attrs.get(schema.ATTR_COMM_GROUP), _int(attrs.get(schema.ATTR_COMM_SEQ))
+    if type(group) is int:
+        group = str(group)
+    if type(group) is not str or seq is None:
+        return None
+    dtype, clock = attrs.get(schema.ATTR_COMM_DTYPE), attrs.get(schema.ATTR_COMM_CLOCK)
+    return (op, group, seq, _int(attrs.get(schema.ATTR_COMM_PEER)), _int(attrs.get(schema.ATTR_COMM_BYTES)),
+            dtype if type(dtype) is str else None, clock if type(clock) is str else None)
+
+
+def _group_of(attrs: dict[str, Any] | None) -> Group | None:
+    attrs = attrs or {}
+    group, desc, ranks = attrs.get("group"), attrs.get("desc"), attrs.get("ranks")
+    if type(group) is int:
+        group = str(group)
+    if type(group) is not str or not isinstance(ranks, list) or not all(_int(r) is not None for r in ranks):
+        return None
+    return Group(group, desc if type(desc) is str else "", tuple(ranks))
+
+
+def _mesh_of(attrs: dict[str, Any] | None) -> dict[str, tuple[int, int]]:
+    attrs = attrs or {}
+    dims, coords = attrs.get("dims"), attrs.get("coords")
+    if not isinstance(dims, dict) or not isinstance(coords, dict):
+        return {}
+    return {str(k): (v, coords[k]) for k, v in dims.items()
+            if _int(v) is not None and _int(coords.get(k)) is not None}
 _ts = attrgetter("ts")
 _start_ts = attrgetter("start_ts")
 
@@ -146,6 +254,7 @@ class ProcessState:
         "records", "malformed", "ended_cleanly", "last_closed", "last_heartbeat_ts", "settings",
         "phases", "parents", "errors", "incomplete", "stalls", "opened",
         "spans", "instants", "scalars", "_sinks",
+        "comm", "comm_groups", "mesh", "_comm_sinks", "_comm_phase",
     )
 
     def __init__(self, source: str, rank: int, attempt: int, instance: str = "", *, keep: bool = False) -> None:
@@ -178,6 +287,11 @@ class ProcessState:
         self.instants: list[Instant] = []  # keep=True
         self.scalars: list[Scalar] = []  # keep=True
         self._sinks: dict[str, tuple[Callable[[Any], None], ...]] = {}
+        self.comm = CommLog()  # every comm.* op closed or ended by shutdown; open ones stay in ``opened``
+        self.comm_groups: dict[str, Group] = {}  # comm.group instants
+        self.mesh: dict[str, tuple[int, int]] = {}  # otel_train.mesh: dim -> (size, index)
+        self._comm_sinks: dict[str, tuple[Callable[[Any], None], ...]] = {}  # comm.* names: not in _sinks
+        self._comm_phase: str | None = None  # the last phase before the latest comm op
 
     @classmethod
     def of(cls, pf: ProcessFiles, attempt: int, *, keep: bool = False, meta: Head | None = None) -> ProcessState:
@@ -217,7 +331,7 @@ class ProcessState:
                     last_closed = self.last_closed
                     continue
                 name = rec.name
-                sink = sinks.get(name) or self._sink(name)
+                sink = sinks.get(name) or self._sink(name, rec, started, last_closed)  # comm.*: every time
                 sstep = started.step
                 sink[0](NO_STEP if sstep is None else sstep)
                 sink[1](dur)
@@ -262,12 +376,39 @@ class ProcessState:
                     self.relative_step = r.relative_step
                 break
 
-    def _sink(self, name: str) -> tuple[Callable[[Any], None], ...]:
+    def _sink(self, name: str, rec: SpanEnd | None = None, started: SpanStart | None = None,
+              last_closed: str | None = None) -> tuple[Callable[[Any], None], ...]:
+        """The appenders of a name's duration columns, cached in ``_sinks`` on first sight; a ``comm.*``
+        name is never cached there, so each of its plain ends (``rec``) comes here to be kept as an op."""
+        comm = self._comm_sinks.get(name)
+        if comm is None and schema.comm_op_of(name) is not None:
+            comm = self._comm_sinks[name] = self._series(name)
+        if comm is None:
+            sink = self._sinks[name] = self._series(name)
+            return sink
+        if rec is not None and started is not None:
+            self._comm_end(name, started, rec.ts, schema.STATUS_OK, last_closed, rec.attrs)
+        return comm
+
+    def _comm_end(self, name: str, started: SpanStart | SpanEnd, end: float | None, state: str,
+                  last_closed: str | None, end_attrs: dict[str, Any] | None = None) -> None:
+        """Keep one closed (or incomplete: ``end`` None) comm op."""
+        attrs = started.attrs
+        if end_attrs:
+            attrs = {**attrs, **end_attrs} if attrs else end_attrs
+        fields = comm_fields(name, attrs)
+        if fields is None:
+            return
+        if last_closed is not None and not last_closed.startswith(schema.COMM_PREFIX):
+            self._comm_phase = last_closed
+        start = started.began() if type(started) is SpanEnd else started.ts
+        self.comm.append(fields, start, end, started.step, started.span_id, started.tid, state, self._comm_phase)
+
+    def _series(self, name: str) -> tuple[Callable[[Any], None], ...]:
         series = self.phases.get(name)
         if series is None:
             series = self.phases[name] = PhaseSeries()
-        sink = self._sinks[name] = (series.steps.append, series.durs.append, series.ends.append)
-        return sink
+        return (series.steps.append, series.durs.append, series.ends.append)
 
     def _end_rare(self, rec: SpanEnd, started: SpanStart | None) -> None:
         """A span end that is not a plain ok: error, incomplete, or without its start or duration."""
@@ -288,6 +429,10 @@ class ProcessState:
             trace_id = started.trace_id if started is not None else rec.trace_id
             self.spans.append(Span(name, sid, parent, trace_id, start_ts, rec.ts, status, tid, step, attrs,
                                    rec.error, started if started is not None else rec))
+        if name.startswith(schema.COMM_PREFIX):
+            self._comm_end(name, started if started is not None else rec,
+                           None if status == schema.STATUS_INCOMPLETE else rec.ts, status, self.last_closed,
+                           rec.attrs if started is not None else None)
         if status == schema.STATUS_INCOMPLETE:
             self.incomplete.append(OpenSpan(name, sid, parent, step, start_ts, status, tid))
             return
@@ -315,6 +460,12 @@ class ProcessState:
             self.last_heartbeat_ts = rec.ts
         elif name == schema.INSTANT_STALL:
             self.stalls[rec.span_id or ""] = rec
+        elif name == schema.INSTANT_COMM_GROUP:
+            group = _group_of(rec.attrs)
+            if group is not None:
+                self.comm_groups[group.group] = group
+        elif name == schema.INSTANT_MESH:
+            self.mesh = _mesh_of(rec.attrs) or self.mesh
         if self.keep:
             self.instants.append(rec)
 
@@ -342,6 +493,34 @@ class ProcessState:
         if inner is None:
             return None
         return self.last_closed if inner.name == STEP and self.last_closed else inner.name
+
+    def layout(self, records: Iterable[AnyRecord]) -> None:
+        """Take only the ``comm.group`` and ``otel_train.mesh`` instants of ``records`` (a file's head,
+        which ``summarize --fast`` reads besides the tail: groups are declared before their first op)."""
+        for rec in records:
+            if type(rec) is Instant and rec.name in (schema.INSTANT_COMM_GROUP, schema.INSTANT_MESH):
+                keep, self.keep = self.keep, False
+                self._instant(rec)
+                self.keep = keep
+
+    def comm_ops(self, since: int = 0) -> tuple[list[CommOp], int]:
+        """The comm ops closed (or ended by shutdown) from row ``since`` on, then every op still open
+        (a rank waiting in it); and the row to pass as ``since`` next time."""
+        log = self.comm
+        done = len(log)
+        ops = [log.op(i, self.rank, self.attempt) for i in range(since, done)]
+        for r in self.opened.values():
+            fields = comm_fields(r.name, r.attrs) if r.name.startswith(schema.COMM_PREFIX) else None
+            if fields is not None:
+                op, group, seq, peer, nbytes, dtype, clock = fields
+                ops.append(CommOp(self.rank, self.attempt, group, seq, op, r.ts, None, peer, nbytes, dtype, r.step,
+                                  r.span_id, r.tid, STATUS_OPEN, clock=clock or schema.COMM_CLOCK_HOST,
+                                  phase=self._open_phase()))
+        return ops, done
+
+    def _open_phase(self) -> str | None:
+        last = self.last_closed
+        return last if last is not None and not last.startswith(schema.COMM_PREFIX) else self._comm_phase
 
     def drain(self) -> tuple[list[Span], list[Instant], list[Scalar]]:
         """(``keep=True``) Take the spans closed, instants and scalars fed since the last drain: a tail
@@ -479,10 +658,24 @@ def iter_processes(
 
 @dataclass(slots=True)
 class Run:
-    """The processes of a run (``keep=False`` states), sorted by (rank, attempt, source)."""
+    """The processes of a run (``keep=False`` states), sorted by (rank, attempt, source).
+
+    ``extra_ops``/``extra_groups``: comm ops and groups read from Flight Recorder dumps, merged into
+    the comm graphs (:attr:`comm`).
+    """
 
     processes: list[ProcessState]
     malformed_lines: int = 0
+    extra_ops: list[CommOp] = field(default_factory=list)
+    extra_groups: list[Group] = field(default_factory=list)
+    graphs: dict[tuple[str, int], CommGraph] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def comm(self) -> dict[tuple[str, int], CommGraph]:
+        """The communication graph of each (source, attempt) (docs/comm.md), built on first use."""
+        if self.graphs is None:
+            self.graphs = build_graphs(self, self.extra_ops, self.extra_groups)
+        return self.graphs
 
     def phase_order(self) -> list[str]:
         """Phase names in training-step order: the standard phases first, then others as first seen."""
@@ -506,7 +699,7 @@ class Run:
 def _read_task(args: tuple[ProcessFiles, int, Head | None]) -> tuple[ProcessState, list[str]]:
     warnings: list[str] = []
     state = read_process(args[0], args[1], Reader(warn=warnings.append), meta=args[2])
-    state._sinks = {}  # bound appenders: made again on demand, not worth pickling
+    state._sinks = state._comm_sinks = {}  # bound appenders: made again on demand, not worth pickling
     return state, warnings
 
 

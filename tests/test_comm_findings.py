@@ -1,0 +1,371 @@
+"""Findings at the communication level (docs/comm.md "Findings"), on synthetic runs written as real
+trace files: a hang names the op and the rank that never issued it, p2p wait chains end at the stage
+that stopped, desyncs name the minority side, the last to arrive is the straggler, victims never are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from analysis_fixtures import Proc, write_run
+from comm_sim import base, collective, comm_attrs, declare, dp_steps, open_op
+from typer.testing import CliRunner
+
+from otel_train import schema
+from otel_train.analysis.comm import SOURCE_FR, CommGraph, CommOp, Group, build_graph, merge, rank_ranges
+from otel_train.analysis.fast import summarize_fast
+from otel_train.analysis.findings import findings
+from otel_train.analysis.spans import Run, load_run
+from otel_train.analysis.summary import summarize, summarize_run
+from otel_train.cli import app
+from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, STEP
+
+
+def _procs(n: int) -> list[Proc]:
+    return [Proc(rank=r, world_size=n) for r in range(n)]
+
+
+def _kinds(found: list[dict]) -> list[tuple]:
+    return [(f["kind"], f["rank"]) for f in found]
+
+
+def _collective_hang(tmp_path: Path, n: int = 8, culprit: int = 5, steps: int = 5) -> list[Proc]:
+    """Everyone but ``culprit`` waits in all_reduce #steps; the culprit is stuck in data_fetch."""
+    procs = _procs(n)
+    declare(procs)
+    dp_steps(procs, range(steps))
+    for p in procs:
+        p.set_step(steps)
+        p.start(STEP)
+        p.start(DATA_FETCH)
+        if p.rank == culprit:
+            continue  # stuck in its data loader
+        p.advance(5)
+        p.end()
+        p.start(BACKWARD)
+        p.advance(30)
+        open_op(p, "all_reduce", "0", steps)
+    write_run(tmp_path, procs)
+    return procs
+
+
+def test_collective_hang_names_the_rank_that_never_issued_the_op(tmp_path: Path) -> None:
+    _collective_hang(tmp_path)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("hang", 5)]  # no victim finding, no straggler
+    hang = found[0]
+    assert hang["comm"] == {"group": "0", "seq": 5, "op": "all_reduce", "waiting": [0, 1, 2, 3, 4, 6, 7],
+                            "missing": [5], "ops": {str(r): "all_reduce" for r in (0, 1, 2, 3, 4, 6, 7)}}
+    assert hang["phase"] == DATA_FETCH and hang["step"] == 5 and hang["victims"] == [0, 1, 2, 3, 4, 6, 7]
+    assert hang["message"].startswith(
+        "rank 5 never issued all_reduce #5 of group 0 (default_pg); ranks 0–4, 6, 7 wait in it since ")
+    assert "rank 5 is stopped inside step > data_fetch at step 5" in hang["message"]
+
+
+def test_a_rank_that_skipped_one_collective_is_named_at_the_end(tmp_path: Path) -> None:
+    # Rank 1 skips the all_reduce of step 3: its later ones carry the numbers one lower, so when the
+    # others issue the last one (#9) it has ended, having issued #8 only.
+    procs = _procs(4)
+    declare(procs)
+    seq = dp_steps(procs, range(3))
+    for s in range(3, 10):
+        rank1 = [p for p in procs if p.rank == 1]
+        others = [p for p in procs if p.rank != 1]
+        seq_after = dp_steps(others, range(s, s + 1), seq0=seq)
+        if s != 3:
+            dp_steps(rank1, range(s, s + 1), seq0=seq - 1)
+        else:
+            for p in rank1:
+                p.steps([s])
+        seq = seq_after
+    last = procs[0]
+    for p in procs:
+        p.now_ms = max(q.now_ms for q in procs)
+        if p.rank == 1:
+            p.shutdown()
+        else:
+            p.set_step(10)
+            p.start(STEP)
+            open_op(p, "all_reduce", "0", seq)
+    write_run(tmp_path, procs)
+    found = [f for f in summarize(tmp_path)["findings"] if f["kind"] in ("hang", "crash")]
+    assert _kinds(found) == [("hang", 1)], found  # (in this sim its late collectives also make it last to arrive)
+    comm = found[0]["comm"]
+    assert (comm["group"], comm["seq"], comm["op"], comm["missing"], comm["waiting"]) == ("0", 10, "all_reduce", [1], [0, 2, 3])
+    assert "rank 1 shut down after step 9" in found[0]["message"] and last is procs[0]
+
+
+def _pipeline(tmp_path: Path, stop_stage: int = 2, stages: int = 4, micro: int = 8, stop_micro: int = 3) -> list[Proc]:
+    """Microbatches through ``stages`` ranks (recv from the stage before, forward, blocking send to the
+    next); ``stop_stage`` stops inside forward of microbatch ``stop_micro``. Each op completes once its
+    other side is issued; what cannot complete is left open: the stages after the stopped one wait in
+    recv, the ones before in send, each upstream rank waiting on the next."""
+    procs = [Proc(rank=r, world_size=stages) for r in range(stages)]
+    for p in procs:
+        p.instant(schema.INSTANT_MESH, dims={"pp": stages}, coords={"pp": p.rank})
+    declare(procs)
+    plan = {r: [(kind, m) for m in range(micro) for kind in ("recv", "fwd", "send")
+                if not (kind == "recv" and r == 0) and not (kind == "send" and r == stages - 1)] for r in range(stages)}
+    issued: set[tuple[int, str, int]] = set()
+    for p in procs:
+        p.set_step(0)
+        p.start(STEP)
+    moved = True
+    while moved:
+        moved = False
+        for p in procs:
+            r = p.rank
+            while plan[r]:
+                kind, m = plan[r][0]
+                if kind == "fwd":
+                    p.start(FORWARD, microbatch=m)
+                    if (r, m) == (stop_stage, stop_micro):
+                        plan[r] = []  # stopped mid-schedule, inside forward
+                        break
+                    p.advance(10)
+                    p.end()
+                else:
+                    peer = r - 1 if kind == "recv" else r + 1
+                    issued.add((r, kind, m))
+                    if (peer, "send" if kind == "recv" else "recv", m) not in issued:
+                        break  # blocked until the other side issues it
+                    p.start(schema.comm_span_name(kind), **comm_attrs("0", m, peer=peer))
+                    p.advance(1)
+                    p.end()
+                plan[r].pop(0)
+                moved = True
+    for p in procs:
+        if plan[p.rank]:
+            kind, m = plan[p.rank][0]
+            if kind != "fwd":
+                open_op(p, kind, "0", m, peer=p.rank - 1 if kind == "recv" else p.rank + 1)
+    write_run(tmp_path, procs)
+    return procs
+
+
+def test_p2p_chain_ends_at_the_stage_that_stopped_mid_schedule(tmp_path: Path) -> None:
+    _pipeline(tmp_path, stop_stage=2)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("hang", 2)], found
+    hang = found[0]
+    assert hang["comm"]["waiting"] == [0, 1, 3] and hang["victims"] == [0, 1, 3]
+    assert hang["comm"]["missing"] == [2] and hang["phase"] == FORWARD
+    # Two links end at rank 2: rank 3 waits in recv #3 from it, rank 1 in send #4 to it (and rank 0
+    # in send #5 to rank 1).
+    assert hang["message"].startswith("rank 2 (pp stage 2) never sent to rank 3, which waits in recv #3 from 2 since ")
+    assert hang["comm"] == {"group": "0", "seq": 3, "op": "recv", "waiting": [0, 1, 3], "missing": [2],
+                            "ops": {"3": "recv"}, "peer": 2}
+
+
+def test_p2p_chain_through_waiting_ranks(tmp_path: Path) -> None:
+    _pipeline(tmp_path, stop_stage=3)  # the last stage stops: 2 waits in send #4 to 3, 1 in send #5 to 2, 0 in #6 to 1
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("hang", 3)], found
+    hang = found[0]
+    assert hang["comm"] == {"group": "0", "seq": 4, "op": "send", "waiting": [0, 1, 2], "missing": [3],
+                            "ops": {"2": "send"}, "peer": 3}
+    assert hang["message"].startswith("rank 3 (pp stage 3) never received from rank 2, which waits in send #4 to 3 since ")
+    assert "ranks 0, 1 wait on those in turn" in hang["message"]
+
+
+def _desync_run(tmp_path: Path, n: int = 4, **kw: dict) -> None:
+    procs = _procs(n)
+    declare(procs)
+    dp_steps(procs, range(3))
+    for p in procs:
+        p.set_step(3)
+        p.start(STEP)
+    collective(procs, "all_reduce", "0", 3, **kw)  # type: ignore[arg-type]
+    collective(procs, "all_reduce", "0", 4, **kw)  # type: ignore[arg-type]  (a later seq: no second finding)
+    for p in procs:
+        p.end()
+        p.shutdown()
+    write_run(tmp_path, procs)
+
+
+@pytest.mark.parametrize(("kw", "text"), [
+    ({"ops": {2: "broadcast"}}, "group 0 (default_pg) seq 3: ranks 0, 1, 3 all_reduce 16 B float32, rank 2 broadcast 16 B float32"),
+    ({"sizes": {2: 32}}, "group 0 (default_pg) seq 3: ranks 0, 1, 3 all_reduce 16 B float32, rank 2 all_reduce 32 B float32"),
+    ({"dtypes": {2: "float16"}}, "group 0 (default_pg) seq 3: ranks 0, 1, 3 all_reduce 16 B float32, rank 2 all_reduce 16 B float16"),
+])
+def test_desync_by_op_size_and_dtype_names_the_minority(tmp_path: Path, kw: dict, text: str) -> None:
+    _desync_run(tmp_path, **kw)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("desync", 2)]
+    f = found[0]
+    assert f["message"] == text
+    assert (f["comm"]["group"], f["comm"]["seq"], f["victims"]) == ("0", 3, [0, 1, 3])
+    assert f["comm"]["ops"]["2"] == kw.get("ops", {}).get(2, "all_reduce")
+
+
+def test_desync_of_two_ranks_names_the_rare_side_and_replaces_the_hang(tmp_path: Path) -> None:
+    procs = _procs(2)
+    declare(procs)
+    dp_steps(procs, range(4))
+    for p in procs:
+        p.set_step(4)
+        p.start(STEP)
+        open_op(p, "broadcast" if p.rank == 1 else "all_reduce", "0", 4)  # both wait: it never matches
+    write_run(tmp_path, procs)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("desync", 1)], found
+    assert found[0]["comm"]["waiting"] == [0, 1] and found[0]["comm"]["ops"] == {"0": "all_reduce", "1": "broadcast"}
+
+
+def _slow(rank: int, extra: float):
+    def times(r: int, s: int) -> dict[str, float]:
+        t = base(r, s)
+        if r == rank:
+            t[DATA_FETCH] += extra
+        return t
+    return times
+
+
+def test_arrival_straggler_is_charged_its_peers_waiting_and_no_victim_is_named(tmp_path: Path) -> None:
+    procs = _procs(4)
+    declare(procs)
+    dp_steps(procs, range(40), _slow(1, 40.0))
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("straggler", 1)], found
+    f = found[0]
+    assert f["by"] == "arrival" and f["phase"] == DATA_FETCH
+    assert f["cost_ms"] == pytest.approx(3 * 40.0 * 40, rel=0.01)
+    assert f["comm"]["last_at"] == 40 and f["comm"]["collectives"] == 40 and f["comm"]["waiting"] == [0, 2, 3]
+    assert f["message"].startswith("rank 1 (attempt 0) arrived last at 40/40 collectives of group 0 (default_pg)")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gradient_accumulation_names_the_slow_loader_not_the_waiting_backward(tmp_path: Path, n: int) -> None:
+    procs = _procs(n)
+    declare(procs)
+    dp_steps(procs, range(40), _slow(1, 20.0), accumulate=2)  # only the second backward syncs
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    found = summarize(tmp_path)["findings"]
+    assert {(f["kind"], f["rank"], f["phase"]) for f in found} == {("straggler", 1, DATA_FETCH)}, found
+
+
+def test_phase_rule_without_comm_spans_is_unchanged(tmp_path: Path) -> None:
+    # The same slow loader without comm spans: the phase rule names it (and only it) as before.
+    procs = _procs(4)
+    dp_steps(procs, range(40), _slow(1, 40.0))
+    for p in procs:
+        p.lines = [line for line in p.lines if '"comm.' not in line]
+        p.shutdown()
+    write_run(tmp_path, procs)
+    found = summarize(tmp_path)["findings"]
+    assert {(f["kind"], f["rank"], f["phase"]) for f in found} == {("straggler", 1, DATA_FETCH)}
+    assert "by" not in found[0]
+
+
+def test_clean_comm_run_raises_nothing(tmp_path: Path) -> None:
+    procs = _procs(4)
+    declare(procs)
+    dp_steps(procs, range(40))
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    run = load_run(tmp_path)
+    assert findings(run) == []
+    graph = build_graph(run)
+    assert len(graph.collectives) == 40 and all(len(ops) == 4 for ops in graph.collectives.values())
+    assert graph.groups["0"] == Group("0", "default_pg", (0, 1, 2, 3)) and not graph.desynced
+
+
+def test_fast_gives_the_same_hang_as_a_full_summarize(tmp_path: Path) -> None:
+    # 200 steps before the hang: the comm.group instants at the file's head are far outside the tail.
+    _collective_hang(tmp_path, n=4, culprit=2, steps=200)
+    full, fast = summarize(tmp_path), summarize_fast(tmp_path)
+    hang = [f for f in full["findings"] if f["kind"] == "hang"]
+    assert hang and hang[0]["comm"]["missing"] == [2]
+    assert [f for f in fast["findings"] if f["kind"] == "hang"] == hang
+
+
+def test_fast_gives_the_same_p2p_hang(tmp_path: Path) -> None:
+    _pipeline(tmp_path, stop_stage=1)
+    full, fast = summarize(tmp_path), summarize_fast(tmp_path)
+    assert [f for f in fast["findings"] if f["kind"] == "hang"] == [f for f in full["findings"] if f["kind"] == "hang"]
+    assert full["findings"][0]["rank"] == 1
+
+
+def test_fast_uses_membership_from_the_file_head_not_the_world(tmp_path: Path) -> None:
+    # Group "dp1" = ranks 2, 3: rank 3 waits in it, rank 2 never issued it. Ranks 0, 1 (not members)
+    # never issued it either and must not be named; without the head's comm.group, world would.
+    procs = _procs(4)
+    declare(procs)
+    declare(procs, "dp1", "dp", ranks=[2, 3])
+    dp_steps(procs, range(200))
+    for p in procs:
+        p.set_step(200)
+        p.start(STEP)
+        p.start(FORWARD)
+    open_op(procs[3], "all_reduce", "dp1", 0)
+    write_run(tmp_path, procs)
+    full, fast = summarize(tmp_path), summarize_fast(tmp_path)
+    hang = [f for f in full["findings"] if f["kind"] == "hang"]
+    assert _kinds(hang) == [("hang", 2)] and hang[0]["comm"]["missing"] == [2]
+    assert [f for f in fast["findings"] if f["kind"] == "hang"] == hang
+
+
+def test_an_op_both_sources_saw_is_one_op_and_a_dump_fills_the_gaps() -> None:
+    trace = CommOp(0, 0, "0", 7, "all_reduce", 10.0, None, span_id="ab" * 8, state="open")
+    dump = CommOp(0, 0, "0", 7, "all_reduce", 9.5, None, nbytes=64, dtype="float32", state="started", source=SOURCE_FR)
+    one = merge(merge(None, trace), dump)
+    assert (one.start, one.span_id, one.nbytes, one.dtype, one.state, one.source) == (10.0, "ab" * 8, 64, "float32", "started", "trace")
+    assert merge(dump, trace) == one
+    graph = CommGraph(world=2)
+    graph.add(trace)
+    graph.add(dump)
+    assert list(graph.collectives[("0", 7)]) == [0] and graph.blockers(one) == [1]
+    graph.add(CommOp(1, 0, "0", 7, "all_reduce", None, None, state="completed", source=SOURCE_FR))
+    assert graph.blockers(one) == [] and not graph.collectives[("0", 7)][1].waiting
+
+
+def test_dump_ops_join_the_trace_and_change_who_is_missing(tmp_path: Path) -> None:
+    # Rank 5's trace lost its last records; its Flight Recorder dump shows it issued all_reduce #5 and
+    # waits in it like the others: nobody is missing.
+    _collective_hang(tmp_path)
+    run = load_run(tmp_path)
+    assert findings(run)[0]["rank"] == 5
+    dumped = CommOp(5, 0, "0", 5, "all_reduce", None, None, nbytes=16, state="started", source=SOURCE_FR)
+    run2 = Run(load_run(tmp_path).processes, extra_ops=[dumped], extra_groups=[Group("0", "default_pg", tuple(range(8)))])
+    assert [f for f in findings(run2) if f.get("rank") == 5 and f["kind"] == "hang"] == []
+    assert 5 in build_graph(run2).collectives[("0", 5)]
+
+
+def test_summarize_cli_prints_comm_findings_as_data_and_json_carries_comm(tmp_path: Path) -> None:
+    procs = _procs(2)
+    declare(procs, group="[bold]g[/bold]")
+    dp_steps(procs, range(3), group="[bold]g[/bold]")
+    for p in procs:
+        p.set_step(3)
+        p.start(STEP)
+    open_op(procs[0], "all_reduce", "[bold]g[/bold]", 3)
+    write_run(tmp_path, procs)
+    done = CliRunner().invoke(app, ["summarize", str(tmp_path)])
+    assert done.exit_code == 0, done.output
+    assert "group [bold]g[/bold]" in " ".join(done.output.split())  # markup in trace text stays text
+    js = CliRunner().invoke(app, ["summarize", str(tmp_path), "--json"])
+    hang = json.loads(js.output)["findings"][0]
+    assert hang["comm"]["ops"] == {"0": "all_reduce"} and hang["rank"] == 1
+
+
+def test_rank_ranges() -> None:
+    assert rank_ranges([0, 1, 2, 3, 4, 6, 7]) == "0–4, 6, 7"
+    assert rank_ranges([9]) == "9" and rank_ranges([]) == ""
+
+
+def test_summary_of_a_run_without_comm_has_no_graph_cost(tmp_path: Path) -> None:
+    procs = _procs(2)
+    for p in procs:
+        p.steps(range(3))
+        p.shutdown()
+    write_run(tmp_path, procs)
+    run = load_run(tmp_path)
+    summarize_run(run)
+    assert all(g.ops == 0 for g in run.comm.values()) and all(len(d.comm) == 0 for d in run.processes)
