@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from otel_train import _report
+from otel_train import _modes, _report
 from otel_train import schema as S
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
 from otel_train.sketch import GAMMA
@@ -57,8 +57,8 @@ class DigestWriter:
                 "open": [_open_span(*entry) for entry in entries],
                 "gamma": GAMMA, "phases": sketch.snapshot(),
             }
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)  # made here: the run dir may be re-created
-            with open(self._tmp, "wb") as f:
+            _modes.make_dirs(os.path.dirname(self.path))  # made here: the run dir may be re-created
+            with os.fdopen(_modes.create(self._tmp), "wb") as f:  # 0644 at most, whatever the umask
                 f.write(_encode(body))
             os.replace(self._tmp, self.path)
             self._last_seq = seq

@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanContext, TraceFlags
 
-from otel_train import _report, api
+from otel_train import _modes, _report, api
 from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train._version import __version__
@@ -274,7 +274,7 @@ def _step_span_starter(tracer: trace.Tracer, ids: StepTraceIdGenerator, ctx: Run
 def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> RotatingFileWriter:
     name = S.trace_file_name(ctx.source, ctx.rank, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
     try:
-        log_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        _modes.make_dirs(log_dir)  # 0755 at most, whatever the umask
         return RotatingFileWriter(
             log_dir / name,
             max_bytes=max(1, int(settings.max_file_size_mb * 1024 * 1024)),

@@ -133,3 +133,31 @@ def test_perfetto_ui_loads_export(fmt: str, ui_server, browser, tmp_path_factory
         assert shot.stat().st_size > 10_000
     finally:
         page.close()
+
+
+@pytest.mark.parametrize("fmt", ["chrome", "perfetto"])
+def test_perfetto_ui_shows_comm_flows(fmt: str, ui_server, browser, tmp_path: Path) -> None:
+    """A run with comm spans (3 ranks, all_reduces, send -> recv, a hang): the UI's trace processor holds
+    as many flows as the export drew, each rank's comm spans on a thread named ``comm``, and the
+    culprit mark."""
+    from test_export_comm import hung_run
+
+    run = hung_run(tmp_path / "run")
+    result = export(run, fmt, tmp_path / ("t.json" if fmt == "chrome" else "t.pftrace"))
+    assert result.flows == 7
+    url, handler = ui_server
+    handler.trace = result.output
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    try:
+        page.goto(url)
+        page.get_by_text("rank 0").first.wait_for(timeout=LOAD_TIMEOUT_MS)
+        assert sql(page, "select count(*) as n_flows from flow", "n_flows") == result.flows
+        assert sql(page, "select count(*) as n_comm_threads from thread where name = 'comm'", "n_comm_threads") == 3
+        on_comm = ("select count(*) as n_on_comm from slice join thread_track on slice.track_id = thread_track.id "
+                   "join thread using (utid) where thread.name = 'comm' and slice.name like 'comm.%'")
+        assert sql(page, on_comm, "n_on_comm") == 12
+        assert sql(page, "select count(*) as n_culprit from slice where name = 'culprit'", "n_culprit") == 1
+        bad = "select count(*) as n_bad from stats where severity in ('error', 'data_loss') and value > 0"
+        assert sql(page, bad, "n_bad") == 0
+    finally:
+        page.close()

@@ -25,7 +25,7 @@ import time
 import weakref
 from typing import Callable
 
-from otel_train import _report
+from otel_train import _modes, _report
 
 __all__ = ["RotatingFileWriter"]
 
@@ -245,6 +245,7 @@ class RotatingFileWriter:
     def _open(self) -> None:
         fd = os.open(self._path, _OPEN_FLAGS, self._file_mode)
         try:
+            _modes.tighten_fd(fd)  # 0644 at most whatever the umask (otel_train._modes)
             size = os.fstat(fd).st_size
         except OSError:
             os.close(fd)
@@ -258,10 +259,7 @@ class RotatingFileWriter:
     def _reopen(self) -> None:
         directory = os.path.dirname(self._path) or "."
         if not os.path.isdir(directory) and os.path.isdir(os.path.dirname(directory) or "."):
-            try:
-                os.mkdir(directory, 0o755)
-            except FileExistsError:
-                pass
+            _modes.make_dirs(directory)
         self._open()
 
     def _check_linked(self) -> None:

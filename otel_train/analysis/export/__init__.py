@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO
 
-from otel_train import schema
+from otel_train import _modes, schema
 from otel_train.analysis.export import chrome, perfetto
 from otel_train.analysis.export.flows import CommPlan, ProcessMarks, comm_plan
 from otel_train.analysis.export.layout import Counts, ProcessLayout, layout_process
@@ -83,11 +83,11 @@ def export(
     reader = reader if reader is not None else Reader()
     out = Path(output) if output is not None else default_output(path, fmt)
     origin_us = int(trace_origin(path, ranks) * 1e6)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _modes.make_dirs(out.parent)  # 0755 at most, whatever the umask (otel_train._modes)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     plan = CommPlan()
     try:
-        with tmp.open("wb", buffering=1 << 20) as f:
+        with os.fdopen(_modes.create(tmp), "wb", buffering=1 << 20) as f:  # 0644 at most
             if fmt in _RENDERERS:
                 order = process_order(path, ranks, reader.bad.warn)
                 plan = comm_plan(order, default_fr(path) if fr is None else Path(fr), reader.bad.warn)
