@@ -87,7 +87,8 @@ def export(
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     plan = CommPlan()
     try:
-        with os.fdopen(_modes.create(tmp), "wb", buffering=1 << 20) as f:  # 0644 at most
+        os.close(_modes.create(tmp))  # made 0644 at most, whatever the umask (otel_train._modes)
+        with tmp.open("wb", buffering=1 << 20) as f:
             if fmt in _RENDERERS:
                 order = process_order(path, ranks, reader.bad.warn)
                 plan = comm_plan(order, default_fr(path) if fr is None else Path(fr), reader.bad.warn)
