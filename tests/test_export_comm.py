@@ -53,10 +53,12 @@ def hung_run(run: Path) -> Path:
             arrive = 30.0 + LATE_MS + step * 100.0  # everybody leaves the all_reduce together
             _comm(p, "all_reduce", step + 1, max(arrive - p.now_ms, 0.5) if p.rank != 2 else 0.5)
             p.end()
+            late = 2.0 * step  # step 1: rank 1 posts its recv before rank 0 sends (it waits 2 ms)
             if p.rank == 0:
+                p.advance(late)
                 _comm(p, "send", step + 1, 1.0, peer=1)
             elif p.rank == 1:
-                _comm(p, "recv", step + 1, 1.0, peer=0)
+                _comm(p, "recv", step + 1, 1.0 + late, peer=0)
             else:
                 p.advance(1.0)
             p.advance(100.0 * (step + 1) - p.now_ms)
@@ -119,9 +121,11 @@ def test_chrome_comm_track_flows_last_arrival_culprit(tmp_path: Path) -> None:
         assert events[-1].get("flow_in") and not events[-1].get("flow_out")
         assert all(e.get("flow_in") and e.get("flow_out") for e in events[1:-1])
         assert len({e["pid"] for e in events}) == len(events)  # one span per rank
-    sends = [f for f in by_flow.values() if f[0]["name"] == "comm.send"]
-    assert len(sends) == 2 and all([e["name"] for e in f] == ["comm.send", "comm.recv"] for f in sends)
-    assert all(procs[f[0]["pid"]] == 0 and procs[f[1]["pid"]] == 1 for f in sends)
+    pairs = [f for f in by_flow.values() if {e["name"] for e in f} == {"comm.send", "comm.recv"}]
+    assert len(pairs) == 2 and all(len(f) == 2 for f in pairs)
+    assert all({procs[e["pid"]]: e["name"] for e in f} == {0: "comm.send", 1: "comm.recv"} for f in pairs)
+    # the flow runs in time order: a recv posted before its send starts it
+    assert sorted([e["name"] for e in f] for f in pairs) == [["comm.recv", "comm.send"], ["comm.send", "comm.recv"]]
 
     last = [e for e in comm if e["args"].get("last_arrival")]
     assert sorted((procs[e["pid"]], e["args"][schema.ATTR_COMM_SEQ]) for e in last) == [(2, 1), (2, 2)]

@@ -21,6 +21,7 @@ Flow ids are numbered here, so they are unique in the trace.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,9 +161,7 @@ def _mark_graph(plan: CommPlan, graph: CommGraph, ids: Iterator[int], exported: 
         if op.source == SOURCE_FR and op.span_id is None and (pm := marks(op.rank)) is not None:
             pm.extra_spans.append(dump_span(op))
     for members in graph.collectives.values():
-        ops = sorted((o for o in members.values() if o.start is not None and marks(o.rank) is not None),
-                     key=lambda o: (o.start, o.rank))
-        _chain(plan, ops, ids, marks)
+        _chain(plan, [o for o in members.values() if marks(o.rank) is not None], ids, marks)
     for send, recv in graph.p2p.values():
         if send is not None and recv is not None and marks(send.rank) and marks(recv.rank):
             _chain(plan, [send, recv], ids, marks)
@@ -179,7 +178,10 @@ def _mark_graph(plan: CommPlan, graph: CommGraph, ids: Iterator[int], exported: 
 
 
 def _chain(plan: CommPlan, ops: list[CommOp], ids: Iterator[int], marks) -> None:
-    """One flow through ``ops`` (in order): out of the first, through the middle, into the last."""
+    """One flow through ``ops`` in the order a trace processor reads them (whole µs of the start, then
+    process order, which is rank order within a graph): out of the first, through the middle, into the
+    last. A flow only goes forward in that order, so a recv posted before its send is the flow's start."""
+    ops = sorted((o for o in ops if o.start is not None), key=lambda o: (math.floor(o.start * 1e6 + 0.5), o.rank))
     if len(ops) < 2:
         return
     flow = next(ids)
