@@ -369,3 +369,46 @@ def test_summary_of_a_run_without_comm_has_no_graph_cost(tmp_path: Path) -> None
     run = load_run(tmp_path)
     summarize_run(run)
     assert all(g.ops == 0 for g in run.comm.values()) and all(len(d.comm) == 0 for d in run.processes)
+
+
+DUMPS = Path(__file__).parent / "data" / "fr" / "later"  # rank 0 waits in all_reduce #8 of group 0; rank 1 never joined
+
+
+def _dumps_alone(tmp_path: Path) -> None:
+    procs = _procs(2)  # collectives off: no comm spans in the trace
+    for p in procs:
+        p.steps(range(3))
+    procs[0].stop_inside(3, [BACKWARD])
+    procs[1].stop_inside(3, [FORWARD])
+    write_run(tmp_path, procs)
+
+
+def test_hang_from_real_flight_recorder_dumps_alone(tmp_path: Path) -> None:
+    _dumps_alone(tmp_path)
+    plain = summarize(tmp_path)["findings"]
+    assert _kinds(plain) == [("hang", 1)] and "comm" not in plain[0]  # the phase rule alone
+    fr = tmp_path / "flight_recorder"
+    fr.mkdir()
+    for f in DUMPS.iterdir():
+        (fr / f.name).write_bytes(f.read_bytes())
+    found = summarize(tmp_path)["findings"]  # the run's flight_recorder/ is read by default
+    assert _kinds(found) == [("hang", 1)]
+    assert {k: found[0]["comm"][k] for k in ("group", "seq", "op", "waiting", "missing")} == {
+        "group": "0", "seq": 8, "op": "all_reduce", "waiting": [0], "missing": [1]}
+    assert found[0]["message"].startswith("rank 1 never issued all_reduce #8 of group 0 (default_pg); rank 0 waits in it since ")
+    fast = [f for f in summarize_fast(tmp_path)["findings"] if f["kind"] == "hang"]
+    assert fast == found
+
+
+def test_summarize_cli_fr_option_and_a_missing_dump(tmp_path: Path) -> None:
+    _dumps_alone(tmp_path)
+    fr = tmp_path / "elsewhere"
+    fr.mkdir()
+    (fr / "host-a.rank0.pkl").write_bytes((DUMPS / "host-a.rank0.pkl").read_bytes())  # rank 1's dump is missing
+    done = CliRunner().invoke(app, ["summarize", str(tmp_path), "--json", "--fr", str(fr)])
+    assert done.exit_code == 0, done.output
+    hang = json.loads(done.stdout)["findings"][0]
+    assert (hang["rank"], hang["comm"]["seq"], hang["comm"]["missing"]) == (1, 8, [1])
+    assert "no dump for rank 1" in done.stderr
+    text = CliRunner().invoke(app, ["summarize", str(tmp_path), "--fr", str(fr)])
+    assert "rank 1 hang: group 0 seq 8 all_reduce; waiting 0; missing 1" in text.stdout

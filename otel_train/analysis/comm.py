@@ -185,9 +185,10 @@ class CommGraph:
     # -- questions -----------------------------------------------------------------------------
 
     def members(self, group: str) -> tuple[int, ...]:
-        """The group's global ranks: from its ``comm.group`` instant, else the whole world."""
+        """The group's global ranks: from its ``comm.group`` instant (or a dump's ``pg_config``), else
+        the whole world."""
         known = self.groups.get(group)
-        return known.ranks if known is not None else tuple(range(self.world))
+        return known.ranks if known is not None and known.ranks else tuple(range(self.world))
 
     def desc(self, group: str) -> str | None:
         """What the group is for (``dp``, ``pp``, ...), when a ``comm.group`` instant said."""
@@ -269,6 +270,29 @@ class CommGraph:
                 waited = sum(t - (o.start or 0.0) for o in same[:-1]) * 1000.0
                 yield Arrival(group, seq, last.op, last.rank, (t - (second.start or 0.0)) * 1000.0, waited,
                               tuple(o.rank for o in same), last.step, t)
+
+    def recent(self, first_step: int, older: int = 1000) -> CommGraph:
+        """A copy holding the collectives and p2p ops of steps from ``first_step`` on (live ``watch``'s
+        straggler ask over its recent steps): newest first, until ``older`` in a row are older."""
+        out = CommGraph(dict(self.groups), {}, {}, dict(self.mesh), self.source, self.attempt, self.world,
+                        dict(self.hosts), dict(self.last_seq), dict(self.last_p2p), dict(self.desynced))
+        for table, copy in ((self.collectives, dict), (self.p2p, list)):
+            taken, behind = [], 0
+            for key in reversed(table):  # type: ignore[call-overload]
+                value = table[key]  # type: ignore[index]
+                ops = value.values() if isinstance(value, dict) else [o for o in value if o is not None]
+                if all(o.step is not None and o.step < first_step for o in ops):
+                    behind += 1
+                    if behind >= older:
+                        break
+                    continue
+                behind = 0
+                taken.append((key, copy(value)))
+            target = out.collectives if table is self.collectives else out.p2p
+            for key, value in reversed(taken):
+                target[key] = value  # type: ignore[index]
+        out.ops = sum(len(v) for v in out.collectives.values()) + len(out.p2p)
+        return out
 
     def stage(self, rank: int) -> int | None:
         """The rank's pipeline stage (its ``pp`` coordinate), when a mesh said."""

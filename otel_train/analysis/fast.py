@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import sketch
-from otel_train.analysis.comm import CommOp, Group
 from otel_train.analysis.findings import CRASH, DESYNC, HANG, RESTART, findings
 from otel_train.analysis.records import (
     AnyRecord,
@@ -40,7 +39,7 @@ from otel_train.analysis.records import (
     read_tail,
 )
 from otel_train.analysis.spans import ProcessState, Run, process_order, read_process
-from otel_train.analysis.summary import process_row, unclosed_rows
+from otel_train.analysis.summary import default_fr, process_row, unclosed_rows, with_dumps
 
 FIRST_WINDOW = 64 << 10
 """Bytes read from the end of a process's files first (about 150 records)."""
@@ -54,11 +53,9 @@ HEAD_RECORDS = 2000
 ``comm.group`` and ``otel_train.mesh`` instants: group membership, declared before the first op."""
 
 
-def summarize_fast(path: str | Path, *, warn: Warn | None = None, extra_ops: list[CommOp] | None = None,
-                   extra_groups: list[Group] | None = None) -> dict[str, Any]:
-    """The ``summarize --json`` keys from each file's tail and digest (docs/cli.md); raises TraceReadError.
-
-    ``extra_ops``/``extra_groups``: comm ops and groups from Flight Recorder dumps (``--fr``)."""
+def summarize_fast(path: str | Path, *, warn: Warn | None = None, fr: str | Path | None = None) -> dict[str, Any]:
+    """The ``summarize --json`` keys from each file's tail and digest (docs/cli.md), with the Flight
+    Recorder dumps under ``fr`` (default: the run's) merged; raises TraceReadError."""
     bad = BadLines(warn)
     read = []
     for pf, attempt, meta in process_order(path, warn=bad.warn):
@@ -66,7 +63,8 @@ def summarize_fast(path: str | Path, *, warn: Warn | None = None, extra_ops: lis
         read.append((tail_state(pf, attempt, meta, bad, digest), digest))
     read = [(s, d) for s, d in read if s.records]
     read.sort(key=lambda sd: (sd[0].rank, sd[0].attempt, sd[0].source))
-    run = Run([s for s, _ in read], bad.count, list(extra_ops or ()), list(extra_groups or ()))
+    run = with_dumps(Run([s for s, _ in read], bad.count), fr if fr is not None else default_fr(path, Run([s for s, _ in read])),
+                     warn)
     return {
         "processes": [{**process_row(d), "records": None} for d in run.processes],  # unknown from a tail
         "unclosed": [row for d in run.processes for row in unclosed_rows(d)],

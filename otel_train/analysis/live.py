@@ -19,7 +19,11 @@ knowledge of which processes still run, and *when* to ask (docs/watch.md):
   hangs or moves again; the straggler rule every :data:`STRAGGLERS_EVERY_S` over each running group's
   last :data:`RECENT_STEPS` steps, and once when the group has finished. Each finding is raised once.
   A hang is *resolved* when its culprit closes a span again and its group is no longer hung; a
-  straggler when the rule no longer names it.
+  straggler when the rule no longer names it;
+* the comm graph (docs/comm.md) is kept live too: each poll adds the ops each process closed or
+  waits in, so a ``desync`` is raised at the poll that reads the second side of its seq, and a hang
+  names the op with the same rules as summarize. Flight Recorder dumps (``fr``) are read again when
+  the directory changes (looked at every :data:`FR_POLL_S`).
 
 Thresholds come from each process's own settings (its ``process_start`` record), defaults otherwise.
 """
@@ -44,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from otel_train import schema
+from otel_train.analysis.comm import CommGraph, CommOp, Group, feed_process
 from otel_train.analysis.findings import (
     CRASH, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
 )
@@ -70,6 +75,8 @@ said one may come (torchrun's ``TORCHELASTIC_MAX_RESTARTS`` above ``TORCHELASTIC
 STALL_RECORD_GRACE_S = 2.0
 """How long past a span's threshold to wait for its watchdog's ``stall`` record (it looks every second)."""
 PY_SPY_TIMEOUT_S = 10.0
+FR_POLL_S = 5.0
+"""How often the Flight Recorder dump directory is looked at for new or changed dumps."""
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 _OK_END = (schema.STATUS_OK, None)
@@ -273,8 +280,9 @@ class LiveProcess:
         return "stalled" if self.stalled(now) else "running"
 
 
-def _straggler_work(asks: list[tuple[list[ProcessState], tuple[int, int]]], order: list[str]) -> list[dict[str, Any]]:
-    return [f for states, window in asks for f in straggler_findings(states, order, window)]
+def _straggler_work(asks: list[tuple[list[ProcessState], tuple[int, int], CommGraph | None]], order: list[str]
+                    ) -> list[dict[str, Any]]:
+    return [f for states, window, graph in asks for f in straggler_findings(states, order, window, graph)]
 
 
 def _recent(state: ProcessState, first_step: int) -> ProcessState:
@@ -323,8 +331,16 @@ class LiveRun:
 
     def __init__(self, path: str | Path, *, warn: Warn | None = None, stacks: bool = False,
                  background: bool = True, probe: HostProbe | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, fr: str | Path | None = None,
+                 read_fr: Callable[[Path], tuple[list[CommOp], list[Group]]] | None = None) -> None:
         self.tail = Tail(Path(path), BadLines(warn))
+        self.graphs: dict[tuple[str, int], CommGraph] = {}  # the comm graph of each (source, attempt)
+        self._comm_rows: dict[tuple[str, int, str], int] = {}  # comm ops of each process already added
+        self._fr = Path(fr) if fr is not None else None
+        self._read_fr = read_fr
+        self._fr_seen: tuple[Any, ...] | None = None
+        self._fr_next = 0.0
+        self._fr_data: tuple[list[CommOp], list[Group]] = ([], [])
         self.stacks = stacks
         self.probe = probe if probe is not None else HostProbe()
         self.clock = clock
@@ -354,8 +370,49 @@ class LiveRun:
             self._add(new)
         for pf, records in batches:
             self._dirty |= self.procs[pf.key].take(records)
+        self._dirty |= self._update_comm({pf.key for pf, _ in batches}, now)
         self._update_liveness(now)
         return self._evaluate(now)
+
+    def _update_comm(self, keys: set[tuple[str, int, str]], now: float) -> bool:
+        """Add what the processes that wrote (``keys``) closed or wait in to their comm graphs, and
+        dumps that changed; returns whether a desync appeared (findings must be asked)."""
+        desyncs = sum(len(g.desynced) for g in self.graphs.values())
+        for key in keys:
+            state = self.procs[key].state
+            graph = self.graphs.get((state.source, state.attempt))
+            if graph is None:
+                graph = self.graphs[(state.source, state.attempt)] = CommGraph(source=state.source, attempt=state.attempt)
+                for op in self._fr_data[0]:
+                    if op.attempt == state.attempt:
+                        graph.add(op)
+                for group in self._fr_data[1]:
+                    graph.add_group(group, replace=False)
+            self._comm_rows[key] = feed_process(graph, state, self._comm_rows.get(key, 0))
+        dumps = self._dumps_changed(now)
+        return dumps or sum(len(g.desynced) for g in self.graphs.values()) != desyncs
+
+    def _dumps_changed(self, now: float) -> bool:
+        """Read the Flight Recorder dumps again when the directory changed (looked at every FR_POLL_S)."""
+        if self._fr is None or self._read_fr is None or now < self._fr_next:
+            return False
+        self._fr_next = now + FR_POLL_S
+        try:
+            seen = tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in self._fr.rglob("*")
+                                if p.is_file()))
+        except OSError:
+            return False
+        if seen == self._fr_seen:
+            return False
+        self._fr_seen = seen
+        self._fr_data = self._read_fr(self._fr)
+        for graph in self.graphs.values():
+            for op in self._fr_data[0]:
+                if op.attempt == graph.attempt:
+                    graph.add(op)
+            for group in self._fr_data[1]:
+                graph.add_group(group, replace=False)
+        return bool(self._fr_data[0])
 
     @property
     def malformed_lines(self) -> int:
@@ -369,6 +426,8 @@ class LiveRun:
             self._heads[pf.key] = head(pf)
         attempts = assign_attempts(self._pfs.values(), {p: self._heads[k] for k, p in self._pfs.items()})
         for key, lp in self.procs.items():  # unnumbered restarts are renumbered by start time
+            if lp.state.attempt != attempts[self._pfs[key]]:
+                self.graphs, self._comm_rows = {}, {}  # the comm graphs are by attempt: made again
             lp.state.attempt = attempts[self._pfs[key]]
         for pf in pfs:
             state = ProcessState.of(pf, attempts[pf], meta=self._heads[pf.key])
@@ -437,7 +496,10 @@ class LiveRun:
             self._dirty = False
             alive = {lp.state for lp in self.procs.values() if not lp.dead}
             run = Run([lp.state for lp in self.procs.values()])
-            events += self._raise(findings(run, alive=alive, running=running, stragglers=False), groups, running, now)
+            if not self._comm_rows and self.procs:  # graphs dropped (attempts renumbered): made again
+                self._update_comm(set(self.procs), now)
+            found = findings(run, alive=alive, running=running, stragglers=False, graphs=self.graphs)
+            events += self._raise(found, groups, running, now)
         if self._job is None:
             due = [key for key, group in groups.items() if self._straggler_due(key, group, now)]
             if due:
@@ -463,7 +525,9 @@ class LiveRun:
             last = max((s.final_step for s in states if s.final_step is not None), default=None)
             if last is not None:
                 first = last - RECENT_STEPS + 1
-                asks.append(([_recent(s, first) for s in states], (first, last)))
+                graph = self.graphs.get(key)
+                recent = graph.recent(first) if graph is not None and graph.ops else None
+                asks.append(([_recent(s, first) for s in states], (first, last), recent))
         work = partial(_straggler_work, asks, order)
         if self.background:
             if self._pool is None:

@@ -7,15 +7,63 @@ from typing import Any
 
 import numpy as np
 
+from otel_train import schema
+from otel_train.analysis.comm import CommOp, Group
 from otel_train.analysis.findings import findings
+from otel_train.analysis.flight_recorder import read_dumps
 from otel_train.analysis.goodput import goodput
+from otel_train.analysis.records import Warn, logs_dir, warn_to_stderr
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run, load_run
 from otel_train.analysis.stats import durations, quantiles
 
 
-def summarize(path: str | Path, **load_kwargs: Any) -> dict[str, Any]:
-    """Summary of the run at ``path`` (see ``summarize_run``); raises TraceReadError without trace files."""
-    return summarize_run(load_run(path, **load_kwargs))
+FR_DIR = "flight_recorder"
+"""Where a run's Flight Recorder dumps are by default (the ``fr_dir`` setting's default)."""
+
+
+def summarize(path: str | Path, *, fr: str | Path | None = None, **load_kwargs: Any) -> dict[str, Any]:
+    """Summary of the run at ``path`` (see ``summarize_run``) with the Flight Recorder dumps under ``fr``
+    (default: :func:`default_fr`) merged; raises TraceReadError without trace files."""
+    run = load_run(path, **load_kwargs)
+    with_dumps(run, fr if fr is not None else default_fr(path, run), load_kwargs.get("warn"))
+    return summarize_run(run)
+
+
+def default_fr(path: str | Path, run: Run | None = None) -> Path:
+    """The run's dump directory: the ``fr_dir`` its processes recorded (``process_start`` settings),
+    else ``<run>/flight_recorder``."""
+    for d in run.processes if run is not None else ():
+        given = d.settings.get("fr_dir")
+        if isinstance(given, str) and given:
+            return Path(given)
+    logs = logs_dir(path)
+    return (logs.parent if logs.name == schema.STRUCTURED_LOGS_DIR else logs) / FR_DIR
+
+
+def read_fr(path: str | Path, warn: Warn | None = None, run: Run | None = None) -> tuple[list[CommOp], list[Group]]:
+    """The comm ops and groups of the Flight Recorder dumps under ``path`` (docs/comm.md); none when
+    it does not exist. A dump that cannot be read, and ranks without a dump, are one line each to ``warn``."""
+    path = Path(path)
+    if not path.exists():
+        return [], []
+    states = run.processes if run is not None else []
+    known = [g for d in states for g in d.comm_groups.values()]
+    world = max((d.world_size or 0 for d in states), default=0) or None
+    try:
+        dumps = read_dumps(path, warn=warn or warn_to_stderr, world_size=world, groups=known)
+    except Exception as exc:  # noqa: BLE001 - a broken dump must not cost the summary of the trace
+        (warn or warn_to_stderr)(f"warning: {path}: Flight Recorder dumps not read ({type(exc).__name__}: {exc})")
+        return [], []
+    return list(dumps.ops), list(dumps.groups.values())
+
+
+def with_dumps(run: Run, fr: str | Path | None, warn: Warn | None = None) -> Run:
+    """``run`` with the dumps under ``fr`` (when given and present) as its extra comm ops and groups."""
+    if fr is not None:
+        ops, groups = read_fr(fr, warn, run)
+        if ops or groups:
+            run.extra_ops, run.extra_groups, run.graphs = ops, groups, None
+    return run
 
 
 def summarize_run(run: Run) -> dict[str, Any]:

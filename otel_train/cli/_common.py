@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
+from otel_train.analysis.comm import rank_ranges
 from otel_train.analysis.records import TraceReadError, find_process_files
 from otel_train.analysis.spans import Run, load_run
 from otel_train.cli._text import clean, json_safe, printable
@@ -107,3 +108,16 @@ def fmt_ms(value: float | None) -> str:
     if value is None or value != value:
         return "-"
     return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+
+
+def comm_line(comm: dict[str, Any]) -> str:
+    """A finding's ``comm`` object in one line: ``group 0 seq 5 all_reduce; waiting 0–4, 6, 7; missing 5``."""
+    parts = [f"group {comm['group']} seq {comm['seq']} {comm['op']}"]
+    if comm.get("waiting"):
+        parts.append(f"waiting {rank_ranges(comm['waiting'])}")
+    if comm.get("missing"):
+        parts.append(f"missing {rank_ranges(comm['missing'])}")
+    ops = comm.get("ops") or {}
+    if len(set(ops.values())) > 1:
+        parts.append("ops " + ", ".join(f"{r}: {op}" for r, op in ops.items()))
+    return "; ".join(parts)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -12,10 +12,10 @@ from rich.table import Table
 
 from otel_train.analysis.fast import summarize_fast
 from otel_train.analysis.stacks import describe_stack
-from otel_train.analysis.summary import summarize_run
+from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import cli_errors, fmt_ms, load, print_json, warn
+from otel_train.cli._common import cli_errors, comm_line, fmt_ms, load, print_json, warn
 
 
 @app.command()
@@ -27,10 +27,21 @@ def summarize(
         help="Read only each file's tail: where every rank stopped and the hang/crash/restart findings, "
              "in time independent of the files' size; phases from digests (approximate) or none.",
     ),
+    fr: Optional[Path] = typer.Option(
+        None, "--fr",
+        help="Flight Recorder dumps (a file or a directory; pickle or JSON, any name holding the rank) merged "
+             "with the trace's comm ops (default: the run's fr_dir, <run>/flight_recorder/).",
+    ),
 ) -> None:
-    """Which rank stopped where, per-phase timings, and findings (hang, crash, error, straggler, restart)."""
+    """Which rank stopped where, per-phase timings, and findings (hang, crash, desync, error, straggler, restart)."""
     with cli_errors():
-        summary = summarize_fast(path, warn=warn) if fast else summarize_run(load(path))
+        if fr is not None and not fr.exists():
+            warn(f"warning: --fr {fr}: no such file or directory; summarizing without Flight Recorder dumps")
+        if fast:
+            summary = summarize_fast(path, warn=warn, fr=fr)
+        else:
+            run = load(path)
+            summary = summarize_run(with_dumps(run, fr if fr is not None else default_fr(path, run), warn))
         if as_json:
             print_json(summary)
         else:
@@ -53,6 +64,8 @@ def _render(summary: dict[str, Any], out: Console) -> None:
             table.add_row(f["kind"], _s(f["rank"]), _s(f["step"]), _s(f["phase"]), f["message"])
         out.print(table)
         for f in findings:
+            if f.get("comm") and f["kind"] != "straggler":
+                out.print(f"rank {_s(f['rank'])} {f['kind']}: {comm_line(f['comm'])}", markup=False)
             if f.get("stacks"):  # the stalled thread of a hang or crash culprit, from its stall records
                 out.print(f"rank {f['rank']} stalled in {describe_stack(f['stacks'][0])}", markup=False)
     else:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import msgspec
 import typer
@@ -18,10 +19,12 @@ from rich.text import Text
 from otel_train.analysis.findings import FINDING_KINDS
 from otel_train.analysis.live import LiveRun
 from otel_train.analysis.records import TraceReadError
+from otel_train.analysis.summary import FR_DIR, read_fr
+from otel_train.schema import STRUCTURED_LOGS_DIR
 from otel_train.analysis.stacks import describe_stack
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console, json_safe, printable
-from otel_train.cli._common import cli_errors, fail, note_malformed, warn
+from otel_train.cli._common import cli_errors, comm_line, fail, note_malformed, warn
 
 EXIT_FINDING = 3
 POLL_S = 0.5
@@ -38,6 +41,11 @@ def watch(
     on_finding: str = typer.Option("", "--on-finding", metavar="CMD",
                                    help="Run CMD through the shell for each finding, its JSON on stdin."),
     stacks: bool = typer.Option(False, "--stacks", help="Add the culprit's Python stacks (stall records, py-spy)."),
+    fr: Optional[Path] = typer.Option(
+        None, "--fr",
+        help="Flight Recorder dumps (a file or a directory) merged with the trace's comm ops as they appear "
+             "(default <run>/flight_recorder/).",
+    ),
 ) -> None:
     """Follow a run as it is written: a live table, findings (hang, crash, error, straggler, restart) as they happen."""
     with cli_errors():
@@ -47,7 +55,8 @@ def watch(
             fail(f"--exit-on: unknown finding kind {', '.join(unknown)}; use any of {', '.join(FINDING_KINDS)}")
         if path.exists() and not path.is_dir():
             raise TraceReadError(f"{path}: not a directory; pass a run directory or its structured_logs/")
-        live = LiveRun(path, warn=warn, stacks=stacks)
+        fr_path = fr if fr is not None else (path.parent if path.name == STRUCTURED_LOGS_DIR else path) / FR_DIR
+        live = LiveRun(path, warn=warn, stacks=stacks, fr=fr_path, read_fr=partial(read_fr, warn=warn))
         hooks = _Hooks(on_finding)
         view = _JsonLines() if as_json else _Table(live)
         try:
@@ -113,10 +122,12 @@ class _Table:
 
     def event(self, event: dict[str, Any]) -> None:
         f = clean(event["finding"])
-        style = "bold red" if event["type"] == "finding" and f["kind"] in ("hang", "crash") else "yellow"
+        style = "bold red" if event["type"] == "finding" and f["kind"] in ("hang", "crash", "desync") else "yellow"
         label = f["kind"] if event["type"] == "finding" else f"resolved {f['kind']}"
         self.lines.append(Text(f"{time.strftime('%H:%M:%S', time.localtime(event['ts']))} {label}: {f['message']}",
                                style=style if event["type"] == "finding" else "green"))
+        if f.get("comm") and f["kind"] != "straggler" and event["type"] == "finding":
+            self.lines.append(Text(f"    {comm_line(f['comm'])}", style="dim"))
         for stack in (f.get("stacks") or [])[:1]:
             self.lines.append(Text(f"    stack of {describe_stack(stack)}", style="dim"))
 
