@@ -284,3 +284,16 @@ def test_desync_culprit_marked(tmp_path: Path) -> None:
     assert [(_procs(data)[e["pid"]], e["args"]["kind"], e["args"]["seq"]) for e in marks] == [(1, "desync", 1)]
     assert _threads(data)[(marks[0]["pid"], marks[0]["tid"])] == "comm"
     assert "broadcast" in marks[0]["args"]["message"] and "all_reduce" in marks[0]["args"]["message"]
+
+
+@pytest.mark.parametrize("fmt", ["chrome", "perfetto"])
+def test_pool_renders_the_same_marks(fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marks travel with each process's task: a pool's output is byte for byte the serial one."""
+    import otel_train.analysis.export as export_package
+
+    run = hung_run(tmp_path / "run")
+    serial = export(run, fmt, tmp_path / "serial", workers=1)
+    monkeypatch.setattr(export_package, "PARALLEL_MIN_BYTES", 0)
+    pooled = export(run, fmt, tmp_path / "pooled", workers=2)
+    assert serial.flows == pooled.flows == 7
+    assert serial.output.read_bytes() == pooled.output.read_bytes()
