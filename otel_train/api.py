@@ -98,6 +98,8 @@ class _Span:
 
     def __call__(self, fn: F) -> F:
         name, attrs = self._name, self._attrs
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            return _iteration_wrapper(fn, name, attrs)  # the span covers the iteration (docs/api.md)
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)
@@ -113,6 +115,117 @@ class _Span:
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]
+
+
+class _Iteration:
+    """The span of a decorated generator: it begins at the first ``next`` (or ``send``/``asend``) and
+    ends when the generator is exhausted, raises, or is closed; the generator's body runs inside it at
+    every resumption, and the consumer's code between two items does not."""
+
+    __slots__ = ("_name", "_attrs", "_frame", "_span")
+
+    def __init__(self, name: str, attrs: Mapping[str, Any] | None, frame: Any) -> None:
+        self._name, self._attrs, self._frame = name, attrs, frame
+        self._span: trace.Span | None = None
+
+    def resume(self) -> object:
+        """Make the span current for one resumption (starting it the first time); a token for pause()."""
+        span = self._span
+        if span is None:
+            tracing = _tracing
+            if tracing is None:
+                return None
+            _call_site.frame = self._frame
+            try:
+                span = self._span = tracing.tracer.start_span(self._name, attributes=self._attrs)
+            finally:
+                _call_site.frame = None
+        return otel_context.attach(trace.set_span_in_context(span))
+
+    @staticmethod
+    def pause(token: object) -> None:
+        if token is not None:
+            otel_context.detach(token)
+
+    def finish(self, exc: BaseException | None) -> None:
+        span, self._span = self._span, _INVALID_SPAN
+        if span is None or span is _INVALID_SPAN or _tracing is None:
+            return
+        if exc is not None and not isinstance(exc, GeneratorExit):
+            _record_error(span, exc)
+        span.end()
+
+
+def _iteration_wrapper(fn: Any, name: str, attrs: Mapping[str, Any] | None) -> Any:
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def async_gen_wrapper(*args: Any, **kwargs: Any) -> Any:
+            inner = fn(*args, **kwargs)
+            it = _Iteration(name, attrs, inner.ag_frame)
+            step, arg = inner.asend, None
+            try:
+                while True:
+                    token = it.resume()
+                    try:
+                        item = await step(arg)
+                    except StopAsyncIteration:
+                        it.pause(token)
+                        return
+                    except BaseException as exc:
+                        it.pause(token)
+                        it.finish(exc)
+                        raise
+                    it.pause(token)
+                    try:
+                        arg, step = (yield item), inner.asend
+                    except GeneratorExit:
+                        token = it.resume()
+                        try:
+                            await inner.aclose()
+                        finally:
+                            it.pause(token)
+                        raise
+                    except BaseException as exc:  # thrown in by the consumer: the generator gets it
+                        step, arg = inner.athrow, exc
+            finally:
+                it.finish(None)
+
+        return async_gen_wrapper
+
+    @functools.wraps(fn)
+    def gen_wrapper(*args: Any, **kwargs: Any) -> Any:
+        inner = fn(*args, **kwargs)
+        it = _Iteration(name, attrs, inner.gi_frame)
+        step, arg = inner.send, None
+        try:
+            while True:
+                token = it.resume()
+                try:
+                    item = step(arg)
+                except StopIteration as stop:
+                    it.pause(token)
+                    return stop.value
+                except BaseException as exc:
+                    it.pause(token)
+                    it.finish(exc)
+                    raise
+                it.pause(token)
+                try:
+                    arg, step = (yield item), inner.send
+                except GeneratorExit:
+                    token = it.resume()
+                    try:
+                        inner.close()
+                    finally:
+                        it.pause(token)
+                    raise
+                except BaseException as exc:  # thrown in by the consumer: the generator gets it
+                    step, arg = inner.throw, exc
+        finally:
+            it.finish(None)
+
+    return gen_wrapper
 
 
 class _NoopSpan(_Span):

@@ -3,6 +3,7 @@ decorator wraps.
 
 What must hold: under ``umask 000`` nothing otel-train creates (run directory, ``structured_logs/``,
 ``digests/``, ``analysis/``, trace files and segments, digests, exports) is group- or world-writable;
+a decorated generator's span covers its iteration (first ``next`` to exhaustion, close or raise).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from faultlib import reported
+from faultlib import assert_clean_end, reported, traces
+
+from otel_train import schema as S
 
 UMASK_CHILD = textwrap.dedent(
     """
@@ -51,3 +54,83 @@ def test_umask_000_leaves_nothing_writable_by_others(tmp_path: Path) -> None:
         wrong = {k: oct(m) for k, m in modes.items()
                  if m != (0o755 if (tmp_path / k).is_dir() else 0o644)}
         assert wrong == {}, wrong
+
+
+GEN_CHILD = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    import otel_train as ot
+    ot.init(save_path=sys.argv[1], enabled=True, watchdog=False, traces_exporter=sys.argv[2])
+
+    @ot.log_trace_span("batches")
+    def batches(n):
+        for i in range(n):
+            with ot.log_trace_span("load"):
+                time.sleep(0.1)
+            yield i
+        return "done"
+
+    @ot.log_trace_span("failing")
+    def failing():
+        yield 1
+        raise ValueError("bad shard")
+
+    @ot.log_trace_span("abatches")
+    async def abatches(n):
+        for i in range(n):
+            with ot.log_trace_span("aload"):
+                await asyncio.sleep(0.1)
+            yield i
+
+    with ot.log_trace_span("outer"):
+        for item in batches(3):
+            with ot.log_trace_span("consume"):
+                pass
+        for item in batches(5):
+            break  # closed early: the span ends at close
+        try:
+            for item in failing():
+                pass
+        except ValueError:
+            pass
+
+        async def main():
+            async for item in abatches(3):
+                with ot.log_trace_span("aconsume"):
+                    pass
+        asyncio.run(main())
+    ot.shutdown(timeout_s=1.0)
+    """
+)
+
+
+def test_decorated_generators_span_their_iteration(tmp_path: Path) -> None:
+    holds = ("@log_trace_span on a generator and an async generator: the span lasts from the first next to "
+             "exhaustion (>= 300 ms over 3 x 100 ms), to close when abandoned, to the raise (status error); "
+             "spans made in the body are its children, the consumer's are not (lean and SDK paths)")
+    with reported("@log_trace_span on generators and async generators", holds, 2):
+        for exporters in ("jsonl", "jsonl,console"):
+            run = tmp_path / exporters.replace(",", "-")
+            done = subprocess.run([sys.executable, "-c", GEN_CHILD, str(run), exporters], capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+            (trace,) = traces(run)
+            assert_clean_end(trace)
+            ends = [r for r in trace.records if r[S.KIND] == S.SPAN_END]
+            by_name: dict[str, list[dict]] = {}
+            for r in ends:
+                by_name.setdefault(r[S.NAME], []).append(r)
+            outer = by_name["outer"][0][S.SPAN_ID]
+            full, early = by_name["batches"]
+            assert full[S.DUR_MS] >= 300 and full[S.STATUS] == "ok", full
+            assert early[S.DUR_MS] >= 100 and early[S.STATUS] == "ok", early  # one item loaded, then closed
+            (fail,) = by_name["failing"]
+            assert fail[S.STATUS] == "error" and fail[S.ERROR]["type"] == "ValueError", fail
+            (agen,) = by_name["abatches"]
+            assert agen[S.DUR_MS] >= 300 and agen[S.STATUS] == "ok", agen
+            gens = {full[S.SPAN_ID], early[S.SPAN_ID]}
+            assert len(by_name["load"]) == 4 and all(r[S.PARENT_SPAN_ID] in gens for r in by_name["load"])
+            assert all(r[S.PARENT_SPAN_ID] == agen[S.SPAN_ID] for r in by_name["aload"])
+            consumers = by_name["consume"] + by_name["aconsume"]
+            assert len(consumers) == 6 and all(r[S.PARENT_SPAN_ID] == outer for r in consumers), consumers
+            assert all(r[S.PARENT_SPAN_ID] == outer for r in [full, early, fail, agen])
