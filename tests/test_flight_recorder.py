@@ -161,3 +161,24 @@ def test_p2p_names_and_per_pair_seq(tmp_path: Path) -> None:
                    ("recv", "0", 1, 1, 12, "bfloat16"), ("send", "pp", 6, 1, 12, "bfloat16")]
     assert all(o.end is not None and o.end > o.start for o in dumps.ops)  # NCCL times: the real end
     assert any("frobnicate" in line for line in lines)
+
+
+def test_hostile_entries_never_raise(tmp_path: Path) -> None:
+    """Fields of the wrong type, absurd numbers, deep nesting: skipped or read as unknown, never raised."""
+    good = json.loads((DATA / "rank_0.json").read_text())["entries"][0]
+    weird: list = [None, 1, "x", [], {"profiling_name": 5}, {"profiling_name": "gloo:"},
+                   dict(good, process_group=7, collective_seq_id="9", time_created_ns=10**400),
+                   dict(good, input_sizes=[["a"]], input_dtypes=[None], op_id=[1], retired="yes"),
+                   dict(good, input_sizes=[[2**40, 2**40]], time_created_ns=-5, thread_id={"a": 1}),
+                   dict(good, profiling_name="nccl:send x->y"), dict(good, profiling_name="nccl:recv 1<-")]
+    dump = {"version": 3, "pg_config": {"a": 1, "b": {"name": ["x"], "ranks": "[1, "}, "c": {"ranks": [0, "1"]}},
+            "pg_status": {"0": "x", "1": {"last_completed_collective": "zz"}}, "entries": weird}
+    (tmp_path / "rank_0.json").write_text(json.dumps(dump))
+    (tmp_path / "rank_1.pkl").write_bytes(b"\x80\x04" + b"]" * 200_000)  # 200,000 lists and no STOP
+    (tmp_path / "rank_2.json").write_text("[" * 100_000)  # nested past any recursion limit
+    lines: list[str] = []
+    dumps = read_dumps(tmp_path, warn=lines.append)
+    assert [i.rank for i in dumps.incidents] == [0]
+    assert sorted(p.name for p in dumps.skipped) == ["rank_1.pkl", "rank_2.json"]
+    assert all("\n" not in line for line in lines)
+    assert all(isinstance(o.seq, int) and (o.start is None or o.start >= 0) for o in dumps.ops)

@@ -418,7 +418,7 @@ def _size(entry: dict) -> tuple[int | None, str | None]:
 def _ns(value: Any) -> float | None:
     """Unix nanoseconds -> seconds; 0 and None (not recorded) -> None."""
     number = _int(value)
-    return number / 1e9 if number > 0 else None
+    return number / 1e9 if 0 < number < 1 << 63 else None
 
 
 def _int(value: Any, default: int = 0) -> int:
