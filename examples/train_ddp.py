@@ -15,6 +15,17 @@ Faults (all off by default):
                                                           --max-restarts=1 recovers (with --resume
                                                           from the last checkpoint)
 
+Communication faults (docs/comm.md). Each needs the per-step metric all-reduce, a `comm.all_reduce`
+in a group of its own (desc `metrics`), which any --fault turns on (--metrics alone also does):
+    --fault skip-collective --fault-rank 1 --fault-step 3  rank 1 skips the metric all-reduce of step 3:
+                                                          its peers wait in it, rank 1 waits in the
+                                                          next step's DDP all-reduce, until --timeout-s
+    --fault desync-op --fault-rank 1 --fault-step 3        rank 1 calls broadcast where the others call
+                                                          all_reduce
+    --fault desync-size --fault-rank 1 --fault-step 3      rank 1 all-reduces a tensor of another size
+    --fault slow-stage --fault-rank 1 --slow-ms 100        rank 1 is 100 ms slower in forward every step:
+                                                          the last to arrive at every collective
+
 Live: --watch starts `otel-train watch` beside the job (on rank 0), which names the culprit rank,
 step and phase within seconds of a stall (see README "Live"); OTEL_TRAIN_STALL_MIN_S=3 makes that
 3 s instead of 10 s on this small model.
@@ -48,6 +59,7 @@ from otel_train import torch as ott
 
 log = logging.getLogger("train_ddp")
 
+COMM_FAULTS = ("skip-collective", "desync-op", "desync-size", "slow-stage")
 FAULT_PHASES = (phases.DATA_FETCH, phases.FORWARD, phases.BACKWARD, phases.OPTIMIZER, phases.CHECKPOINT, phases.EVAL)
 
 
@@ -76,6 +88,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-step", type=int, default=5)
     p.add_argument("--fail-attempts", type=int, help="fail only in the first N restart attempts (default: all)")
     p.add_argument("--resume", action="store_true", help="start after the step of the last checkpoint, if any")
+    p.add_argument("--fault", choices=COMM_FAULTS, help="a communication fault (see above)")
+    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-step", type=int, default=3)
+    p.add_argument("--metrics", action="store_true", help="all-reduce the loss in a 'metrics' group every step")
     p.add_argument("--gpu-wait-ms", type=float, default=0.0,
                    help="every rank also waits this long in forward without using the CPU, as a step waits on a "
                         "GPU: keeps step times steady on a busy CPU (tests and benchmarks)")
@@ -94,6 +110,8 @@ class Faults:
     def active(self, phase: str) -> bool:
         """Whether any fault targets ``phase`` on this rank (no hooks or checks otherwise)."""
         a = self.args
+        if a.fault == "slow-stage" and a.fault_rank == self.rank and phase == phases.FORWARD:
+            return True
         return (a.slow_rank == self.rank and a.slow_phase == phase) or (
             a.hang_rank == self.rank and a.hang_phase == phase
         ) or (a.fail_rank == self.rank and phase == phases.FORWARD)
@@ -102,12 +120,33 @@ class Faults:
         a = self.args
         if a.slow_rank == self.rank and a.slow_phase == phase:
             time.sleep(a.slow_ms / 1000.0)
+        if a.fault == "slow-stage" and a.fault_rank == self.rank and phase == phases.FORWARD:
+            time.sleep(a.slow_ms / 1000.0)
         if a.hang_rank == self.rank and a.hang_step == self.step and a.hang_phase == phase:
             hang(a.hang_how, self.rank, phase, self.step)
         if a.fail_rank == self.rank and a.fail_step == self.step and phase == phases.FORWARD and (
             a.fail_attempts is None or self.attempt < a.fail_attempts
         ):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
+
+
+def all_reduce_metrics(loss: torch.Tensor, group: Any, faults: Faults) -> None:
+    """The per-step metric all-reduce (a ``comm.all_reduce`` of 4 floats in the ``metrics`` group),
+    where the communication faults strike."""
+    a = faults.args
+    here = a.fault_rank == faults.rank and a.fault_step == faults.step
+    metrics = torch.stack([loss.detach(), loss.detach() * 0 + 1, loss.detach() * 0, loss.detach() * 0])
+    if here and a.fault == "skip-collective":
+        log.warning("injected fault: rank %d skips the metric all_reduce at step %d", faults.rank, faults.step)
+        return
+    if here and a.fault == "desync-op":
+        log.warning("injected fault: rank %d broadcasts where its peers all_reduce (step %d)", faults.rank, faults.step)
+        dist.broadcast(metrics, src=0, group=group)
+        return
+    if here and a.fault == "desync-size":
+        log.warning("injected fault: rank %d all_reduces 2 floats, its peers 4 (step %d)", faults.rank, faults.step)
+        metrics = metrics[:2].contiguous()
+    dist.all_reduce(metrics, group=group)
 
 
 def hang(how: str, rank: int, phase: str, step: int) -> None:
@@ -251,6 +290,7 @@ def main(argv: list[str] | None = None) -> None:
                             multiprocessing_context="fork" if args.num_workers else None)
         batches = iter(ott.traced(FaultyIterable(loader, faults)))
 
+    metrics_group = dist.new_group(group_desc="metrics") if args.fault or args.metrics else None
     handle = ott.instrument(runnable, optimizer)
     optimizer.register_step_pre_hook(lambda *_: faults.inject(phases.OPTIMIZER))  # after ours: inside the span
     checkpoint = Path(args.save_path) / "checkpoints" / "last.pt"
@@ -269,6 +309,8 @@ def main(argv: list[str] | None = None) -> None:
             ott.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if metrics_group is not None:
+                all_reduce_metrics(loss, metrics_group, faults)
             if args.checkpoint_every and step and step % args.checkpoint_every == 0:
                 save_checkpoint(model, optimizer, checkpoint, rank, faults, step)
             if args.eval_every and step and step % args.eval_every == 0:

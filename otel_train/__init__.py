@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         set_step,
         training_step,
     )
+    from otel_train.comm.mesh import set_mesh
     from otel_train.runtime import init, is_enabled, shutdown
 
 _HOME = {
@@ -34,6 +35,7 @@ _HOME = {
     "log_trace_span": "otel_train.api",
     "set_step": "otel_train.api",
     "training_step": "otel_train.api",
+    "set_mesh": "otel_train.comm.mesh",
     "init": "otel_train.runtime",
     "is_enabled": "otel_train.runtime",
     "shutdown": "otel_train.runtime",

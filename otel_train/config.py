@@ -25,6 +25,7 @@ ENV_SDK_DISABLED = "OTEL_SDK_DISABLED"
 
 EXPORTERS = ("jsonl", "otlp", "console", "none")
 TELEMETRY_SOURCES = ("process", "cuda", "nvml")
+COLLECTIVES = ("auto", "on", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -73,6 +74,15 @@ class Settings:
     stall_min_s: float = 10.0
     stall_factor: float = 5.0
     redact: tuple[str, ...] = ()
+    collectives: str = "auto"
+    fr_dir: str | None = None  # None: <save_path>/flight_recorder (see fr_path)
+
+    @property
+    def fr_path(self) -> str:
+        """Where Flight Recorder dumps go: ``fr_dir``, else ``<save_path>/flight_recorder``."""
+        if self.fr_dir is not None:
+            return self.fr_dir
+        return os.path.join(self.save_path or ".", "flight_recorder")
 
 
 # Converters take (value, from_env) and return the typed value; they raise ValueError or TypeError,
@@ -155,6 +165,15 @@ def _log_level(value: Any, from_env: bool) -> str:
     if not isinstance(value, str) or value.strip().upper() not in LOG_LEVELS:
         raise ValueError(value)
     return value.strip().upper()
+
+
+def _choice(choices: tuple[str, ...]) -> Converter:
+    def convert(value: Any, from_env: bool) -> str:
+        if not isinstance(value, str) or value.strip().lower() not in choices:
+            raise ValueError(value)
+        return value.strip().lower()
+
+    return convert
 
 
 def _items(value: Any) -> list[Any]:
@@ -263,6 +282,8 @@ _FIELDS: dict[str, _Field] = {
     "heartbeat_s": _Field(_float_at_least(0.0), "a number of seconds >= 0 (0 disables heartbeats)"),
     "stall_min_s": _Field(_positive_float, "a number of seconds > 0"),
     "stall_factor": _Field(_float_at_least(1.0), "a number >= 1 (a multiple of the name's p99 duration)"),
+    "collectives": _Field(_choice(COLLECTIVES), "one of auto, on, off (docs/comm.md)"),
+    "fr_dir": _Field(_optional(_path), "a non-empty directory path without NUL bytes"),
     "redact": _Field(_redact, "a comma list of more secret name parts (e.g. WANDB) and 're:<regex>' value patterns"),
 }
 

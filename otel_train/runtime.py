@@ -118,6 +118,7 @@ class _Runtime:
         self.undo: list[Any] = []  # uninstallers for hooks, run in reverse at shutdown
         self.file_path: str | None = None
         self.watchdog: Watchdog | None = None
+        self.comm: Any = None  # otel_train.comm.CommSession
 
 
 _lock = threading.RLock()
@@ -155,6 +156,7 @@ def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, A
         if not settings.enabled:
             return
         ctx = detect_run_context(settings)
+        _check_comm(settings)
         _report.reset()  # a new session reports (and counts, for its process_end) afresh
         rt = _Runtime(settings, ctx)
         try:
@@ -165,8 +167,56 @@ def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, A
         _active = rt
         _install_process_hooks()
         _shutdown_at_multiprocessing_exit()
+        _make_comm(rt)
         _start_lifecycle(rt)
         _start_watchdog(rt)
+        _start_comm(rt)
+
+
+def _check_comm(settings: Settings) -> None:
+    """``collectives=on`` that cannot be honoured, or an unwritable ``fr_dir``: one line, before any file."""
+    from otel_train.comm.session import check_available
+
+    reason = check_available(settings.collectives)
+    if reason is not None:
+        raise ConfigError(f"collectives='on' (OTEL_TRAIN_COLLECTIVES) cannot be honoured: {reason}; "
+                          "install torch with distributed support or set collectives to 'auto' or 'off'")
+    try:
+        _modes.make_dirs(settings.fr_path)  # 0755 at most, whatever the umask (otel_train._modes)
+        if not os.access(settings.fr_path, os.W_OK | os.X_OK):
+            raise PermissionError(13, "Permission denied")
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _report.safe_str(exc)
+        raise ConfigError(f"cannot write Flight Recorder dumps in {settings.fr_path!r}: {reason}; "
+                          "set fr_dir (OTEL_TRAIN_FR_DIR) to a writable directory") from None
+
+
+def _make_comm(rt: _Runtime) -> None:
+    # The communication recorder (otel_train.comm): its Flight Recorder environment is set now, before
+    # process_start says what it found; its patches and thread start after the watchdog.
+    from otel_train.comm.session import CommSession
+
+    tracing, jsonl = api._tracing, rt.jsonl
+    if tracing is None:
+        return
+    rt.comm = CommSession(
+        mode=rt.settings.collectives, fr_dir=rt.settings.fr_path, rank=rt.ctx.rank, attempt=rt.ctx.attempt,
+        world_size=rt.ctx.world_size, tracer=tracing.tracer,
+        instant=jsonl.instant_for if jsonl is not None else _no_instant,
+        open_entries=jsonl.open_entries if jsonl is not None else None,
+    )
+
+
+def _start_comm(rt: _Runtime) -> None:
+    comm = rt.comm
+    if comm is None:
+        return
+    if rt.watchdog is not None:
+        rt.watchdog.on_stall = comm.on_stall
+    try:
+        comm.start()
+    finally:
+        rt.undo.append(comm.stop)
 
 
 def _build(rt: _Runtime) -> None:
@@ -320,7 +370,10 @@ def _start_lifecycle(rt: _Runtime) -> None:
 
     settings = rt.settings
     if rt.jsonl is not None:
-        rt.jsonl.instant(S.INSTANT_PROCESS_START, lifecycle.process_start_attrs(settings, rt.ctx))
+        attrs = lifecycle.process_start_attrs(settings, rt.ctx)
+        if rt.comm is not None:
+            attrs["comm"] = dict(rt.comm.status)
+        rt.jsonl.instant(S.INSTANT_PROCESS_START, attrs)
     rt.undo.append(lifecycle.install_exception_hooks())
     if settings.log_bridge:
         rt.undo.append(logbridge.install(settings.log_level))

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 import otel_train as ot
-from otel_train import _phases, context, phases, runtime
+from otel_train import _phases, _report, context, phases, runtime
 
-__all__ = ["Handle", "TracedIterable", "backward", "batch_to_device", "instrument", "traced"]
+__all__ = ["Handle", "TracedIterable", "backward", "batch_to_device", "instrument", "instrument_pipeline", "traced"]
 
 
 class _TracedIterator:
@@ -106,10 +106,22 @@ def traced(loader: Iterable[Any]) -> TracedIterable:
     return TracedIterable(loader)
 
 
+class _Undo:
+    """An uninstaller with the ``remove()`` of the other hooks."""
+
+    def __init__(self, undo: Any) -> None:
+        self._undo = undo
+
+    def remove(self) -> None:
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+
 class Handle:
     """Hooks installed by :func:`instrument`; ``remove()`` uninstalls them."""
 
-    def __init__(self, hooks: list[_phases.ForwardSpans | _phases.OptimizerSpans]) -> None:
+    def __init__(self, hooks: list[Any]) -> None:
         self._hooks = hooks
 
     def remove(self) -> None:
@@ -125,17 +137,59 @@ class Handle:
         self.remove()
 
 
-def instrument(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> Handle:
+def _recording_comm() -> bool:
+    settings = runtime.current_settings()
+    return settings is not None and settings.collectives != "off"
+
+
+def _ddp_of(model: Any) -> Any:
+    """The DistributedDataParallel inside ``model`` (itself, or the module a ``torch.compile`` wraps)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for candidate in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(candidate, DistributedDataParallel):
+            return candidate
+    return None
+
+
+def instrument_pipeline() -> Handle:
+    """A ``forward``/``backward`` span per microbatch of every ``torch.distributed.pipelining`` stage,
+    with attrs ``microbatch`` (and ``chunk`` with virtual stages, ``stage``): docs/comm.md."""
+    from otel_train.comm import pipelining
+
+    return Handle([_Undo(pipelining.install())])
+
+
+def instrument(model: Any = None, optimizer: torch.optim.Optimizer | None = None) -> Handle:
     """A ``forward`` span per call of ``model`` and an ``optimizer`` span per ``optimizer.step()``.
 
     ``model`` may be a DDP wrapper or a ``torch.compile``-d module: instrument the object you call.
+    With ``collectives`` recording on, a DDP model also gets a comm hook that issues its bucket
+    all-reduces through ``torch.distributed`` (the same arithmetic as DDP's default), so each one is
+    a ``comm.all_reduce`` span with host times (docs/comm.md). A pipeline stage or schedule
+    (``torch.distributed.pipelining``) gets microbatch spans instead (:func:`instrument_pipeline`).
     """
-    hooks: list[_phases.ForwardSpans | _phases.OptimizerSpans] = []
-    if model is not None:
+    hooks: list[Any] = []
+    if model is not None and _is_pipeline(model):
+        hooks.extend(instrument_pipeline()._hooks)
+    elif model is not None:
         hooks.append(_phases.ForwardSpans(model))
+        ddp = _ddp_of(model) if _recording_comm() else None
+        if ddp is not None:
+            from otel_train.comm import ddp as ddp_hook
+
+            try:
+                ddp_hook.install(ddp)
+            except Exception as exc:  # noqa: BLE001 - DDP then runs as it would without us
+                _report.report_exception("installing the DDP comm hook (bucket all-reduces may be missing)", exc)
     if optimizer is not None:
         hooks.append(_phases.OptimizerSpans(optimizer))
     return Handle(hooks)
+
+
+def _is_pipeline(model: Any) -> bool:
+    module = type(model).__module__
+    return module.startswith("torch.distributed.pipelining")
 
 
 def backward(loss: torch.Tensor, **kwargs: Any) -> None:

@@ -180,6 +180,8 @@ class Watchdog:
         self._seen_seq = -1
         self._quiet_since = time.monotonic()
         self._stalls: dict[int, _Stall] = {}
+        # Called with the span's name after each stall record (the comm recorder dumps Flight Recorder).
+        self.on_stall: Any = None
 
     def start(self) -> Watchdog:
         """Start the daemon thread (once)."""
@@ -257,3 +259,8 @@ class Watchdog:
                 "tid": tid,
                 "stacks": thread_stacks(skip_ident=threading.get_ident()),
             }, span_id)
+            if self.on_stall is not None:
+                try:
+                    self.on_stall(name)
+                except Exception as exc:  # noqa: BLE001 - the next span is still judged
+                    _report.report_exception("watchdog stall callback", exc)

@@ -49,6 +49,8 @@ CASES: dict[str, tuple[str, Any, Any]] = {
     "stall_min_s": ("2.5", 3, 3.0),
     "stall_factor": ("3", 1, 1.0),
     "redact": ("WANDB, re:hf_[A-Za-z0-9]{30,}", ["WANDB", "re:x(y|z)"], ("WANDB", "re:x(y|z)")),
+    "collectives": ("OFF", "on", "on"),
+    "fr_dir": ("/tmp/fr", "/tmp/fr", "/tmp/fr"),
 }
 ENABLED_ENV = {"OTEL_TRAIN_SAVE_PATH": "/tmp/base"}
 
@@ -79,6 +81,7 @@ def test_each_setting_from_env(key: str) -> None:
         "telemetry_sources": ("process", "cuda", "nvml"),
         "traces_exporter": ("jsonl", "otlp"),
         "redact": ("WANDB", "re:hf_[A-Za-z0-9]{30,}"),  # the comma inside {30,} belongs to the pattern
+        "collectives": "off",
     }.get(key, expected)
     settings = resolve_settings(env={**ENABLED_ENV, ENV_VARS[key]: raw})
     assert getattr(settings, key) == expected_env

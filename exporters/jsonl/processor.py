@@ -29,6 +29,14 @@ current_state = step_context.current
 RecordHandler = Callable[[dict], None]
 OpenEntry = tuple[Span, str, StepState, int]
 """An open span: the span, its encoded body, the step context and native thread id it started with."""
+class OnBehalf(threading.local):
+    """Set by a thread that writes spans for another thread (the comm recorder, otel_train.comm): the
+    native thread id those spans' records carry. Their records have no ``caller``."""
+
+    tid: int | None = None
+
+
+on_behalf = OnBehalf()
 RUNTIME_LOCK_WAIT_S = 1.0
 """The watchdog's records wait at most this long for a write in progress (one blocked on a hung disk
 must not stop the watchdog too); such a record is skipped, counted and reported once."""
@@ -87,9 +95,13 @@ class JsonlSpanProcessor(SpanProcessor):
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         try:
-            state, tid = current_state(), get_native_id()
+            state, tid = current_state(), on_behalf.tid
+            if tid is None:
+                tid = get_native_id()
+                caller = self._caller() if self._caller is not None else ""
+            else:
+                caller = ""
             body = self._encoder.span_body(span, state, tid)
-            caller = self._caller() if self._caller is not None else ""
             with self._lock:
                 if self._sealed:
                     return  # started while shutdown ran: not traced, like any call after it
@@ -161,6 +173,10 @@ class JsonlSpanProcessor(SpanProcessor):
         For the watchdog's thread: one dict copy (a single C call under the GIL), no lock.
         """
         return [(sid, entry[0]._name, entry[0]._start_time, entry[3]) for sid, entry in self._open.copy().items()]
+
+    def open_entries(self) -> list[OpenEntry]:
+        """Every open span's (span, body, step context, native thread id), in start order (one dict copy, no lock)."""
+        return list(self._open.copy().values())
 
     def digest_point(self, wait_s: float = RUNTIME_LOCK_WAIT_S) -> tuple[int, tuple[int, int], list[OpenEntry]] | None:
         """(seq, the file's (inode, size), the open spans) at one instant, for a digest: taken under the

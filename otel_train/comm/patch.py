@@ -1,0 +1,257 @@
+"""Wrappers around the ``torch.distributed`` calls that issue ops (docs/comm.md, "Recording").
+
+Each wrapper notes the op (``otel_train.comm.notes``) and calls the original with the same arguments;
+what the original returns or raises reaches the caller unchanged. A fault of ours (an argument we
+cannot read) is reported once and counted, and the call runs unrecorded. The same wrapper replaces
+the function in ``torch.distributed`` and in ``torch.distributed.distributed_c10d`` (whose own
+helpers, ``all_gather_object`` and the like, and ``P2POp``'s checks use the module's names), and
+:meth:`Patches.remove` puts the originals back where a wrapper of ours still sits.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from otel_train import _report, api
+from otel_train.comm.groups import GroupTable
+from otel_train.comm.notes import Note, NoteQueue
+
+ORIGINAL_ATTR = "__otel_train_original__"
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """How to read one call: its op, where its tensor(s), group, peer and async flag are."""
+
+    op: str
+    tensor: tuple[int, str] | None  # the input side: the same size on every member
+    group: int  # positional index of ``group``
+    async_op: int | None  # positional index of ``async_op``; None: always async (isend/irecv) or never
+    peer: tuple[int, str, str] | None = None  # (index, global-rank keyword, group-rank keyword)
+    always_async: bool = False
+
+
+SPECS: dict[str, Spec] = {
+    "all_reduce": Spec("all_reduce", (0, "tensor"), 2, 3),
+    "all_gather": Spec("all_gather", (1, "tensor"), 2, 3),
+    "all_gather_into_tensor": Spec("all_gather", (1, "input_tensor"), 2, 3),
+    "reduce_scatter": Spec("reduce_scatter", (1, "input_list"), 3, 4),
+    "reduce_scatter_tensor": Spec("reduce_scatter", (1, "input"), 3, 4),
+    "broadcast": Spec("broadcast", (0, "tensor"), 2, 3),
+    "reduce": Spec("reduce", (0, "tensor"), 3, 4),
+    "all_to_all": Spec("all_to_all", (1, "input_tensor_list"), 2, 3),
+    "all_to_all_single": Spec("all_to_all", (1, "input"), 4, 5),
+    "barrier": Spec("barrier", None, 0, 1),
+    "gather": Spec("gather", (0, "tensor"), 3, 4),
+    "scatter": Spec("scatter", (0, "tensor"), 3, 4),
+    "send": Spec("send", (0, "tensor"), 2, None, (1, "dst", "group_dst")),
+    "recv": Spec("recv", (0, "tensor"), 2, None, (1, "src", "group_src")),
+    "isend": Spec("send", (0, "tensor"), 2, None, (1, "dst", "group_dst"), always_async=True),
+    "irecv": Spec("recv", (0, "tensor"), 2, None, (1, "src", "group_src"), always_async=True),
+}
+"""Every wrapped function of ``torch.distributed`` (``batch_isend_irecv`` calls isend/irecv: see below)."""
+
+_DTYPES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: Any) -> str:
+    """``float32`` for ``torch.float32`` (cached per dtype)."""
+    name = _DTYPES.get(dtype)
+    if name is None:
+        text = str(dtype)
+        name = _DTYPES[dtype] = text[6:] if text.startswith("torch.") else text
+    return name
+
+
+def _tensor_info(value: Any) -> tuple[int, str | None]:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return 0, None
+        return sum(t.numel() * t.element_size() for t in value), dtype_name(value[0].dtype)
+    return value.numel() * value.element_size(), dtype_name(value.dtype)
+
+
+class NoteMaker:
+    """Builds the note of one call (``begin``) and stamps its end (``finish``/``fail``)."""
+
+    def __init__(self, queue: NoteQueue, groups: GroupTable) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        self._queue = queue
+        self._groups = groups
+        self._world = c10d._world
+        self._work_type = c10d.Work
+        self._batch = threading.local()  # ops noted inside batch_isend_irecv (coalesced: no Work of their own)
+        self._futures = True  # cleared per op kind when a backend's Work has no future (gloo p2p)
+        self._no_future: set[str] = set()
+        self.active = True
+
+    def begin(self, spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Note | None:
+        if api._tracing is None or not self.active:
+            return None
+        try:
+            return self._note(spec, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - never break the call over its record
+            _report.report_exception(f"noting a torch.distributed {spec.op} call (it is not recorded)", exc)
+            return None
+
+    def _note(self, spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Note | None:
+        n = len(args)
+        pg = args[spec.group] if n > spec.group else kwargs.get("group")
+        if pg is None:
+            pg = self._world.default_pg
+            if pg is None:
+                return None  # not initialised: the original raises what it raises
+        state = self._groups.get(pg) or self._groups.add(pg)
+        nbytes, dtype = 0, None
+        if spec.tensor is not None:
+            index, name = spec.tensor
+            nbytes, dtype = _tensor_info(args[index] if n > index else kwargs[name])
+        peer = None
+        if spec.peer is not None:
+            index, key, group_key = spec.peer
+            peer = args[index] if n > index else kwargs.get(key)
+            if peer is None and kwargs.get(group_key) is not None:
+                peer = state.ranks[kwargs[group_key]]
+            seq, fr_key = state.next_p2p(-1 if peer is None else int(peer), spec.op == "send")
+        else:
+            seq, fr_key = state.next_collective()
+        note = Note(spec.op, state, seq, fr_key, peer, nbytes, dtype)
+        self._queue.append(note)
+        return note
+
+    def finish(self, note: Note, spec: Spec, result: Any, args: tuple[Any, ...]) -> None:
+        try:
+            if type(result) is int and spec.op == "recv" and note.peer is None:
+                note.peer = result  # recv from any source: the sender
+            if isinstance(result, self._work_type):
+                self._when_done(note, spec, result)
+            elif result is None and spec.always_async and getattr(self._batch, "notes", None) is not None:
+                self._batch.notes.append(note)  # coalesced in batch_isend_irecv: its works end it
+            else:
+                note.done()
+        except Exception as exc:  # noqa: BLE001
+            note.done()
+            _report.report_exception("timing a torch.distributed op", exc)
+
+    def _when_done(self, note: Note, spec: Spec, work: Any) -> None:
+        if spec.op not in self._no_future:
+            try:
+                work.get_future().add_done_callback(note.done)
+                return
+            except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
+                self._no_future.add(spec.op)
+        note.work = work  # the recorder polls is_completed()
+
+    def fail(self, note: Note, exc: BaseException) -> None:
+        note.error = f"{type(exc).__name__}: {_report.safe_str(exc, 200)}"
+        note.done()
+
+    def batch(self, original: Callable[..., Any], p2p_op_list: Any) -> Any:
+        """``batch_isend_irecv``: each op is its own span (its isend/irecv is noted); coalesced ops
+        (NCCL) end when the batch's works complete."""
+        outer = getattr(self._batch, "notes", None)
+        self._batch.notes = []
+        try:
+            works = original(p2p_op_list)
+        except BaseException as exc:
+            for note in self._batch.notes:
+                self.fail(note, exc)
+            raise
+        finally:
+            pending, self._batch.notes = self._batch.notes, outer
+        try:
+            if pending:
+                last = works[-1] if works else None
+                for note in pending:
+                    if last is None:
+                        note.done()
+                    else:
+                        self._when_done(note, SPECS["isend"], last)
+        except Exception as exc:  # noqa: BLE001
+            _report.report_exception("timing a batch_isend_irecv", exc)
+        return works
+
+
+def _wrap(name: str, original: Callable[..., Any], maker: NoteMaker) -> Callable[..., Any]:
+    spec = SPECS[name]
+    begin, finish, fail = maker.begin, maker.finish, maker.fail
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        note = begin(spec, args, kwargs)
+        if note is None:
+            return original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException as exc:
+            fail(note, exc)
+            raise
+        finish(note, spec, result, args)
+        return result
+
+    functools.update_wrapper(wrapper, original)
+    setattr(wrapper, ORIGINAL_ATTR, original)
+    return wrapper
+
+
+def _wrap_batch(original: Callable[..., Any], maker: NoteMaker, isend: Any, irecv: Any) -> Callable[..., Any]:
+    originals = {getattr(isend, ORIGINAL_ATTR, None): isend, getattr(irecv, ORIGINAL_ATTR, None): irecv}
+
+    def batch_isend_irecv(p2p_op_list: Any) -> Any:
+        try:  # a P2POp made before we patched holds the original isend/irecv: give it ours
+            for p2p in p2p_op_list:
+                ours = originals.get(p2p.op)
+                if ours is not None:
+                    p2p.op = ours
+        except Exception:  # noqa: BLE001 - a malformed list: the original says what is wrong
+            pass
+        return maker.batch(original, p2p_op_list)
+
+    functools.update_wrapper(batch_isend_irecv, original)
+    setattr(batch_isend_irecv, ORIGINAL_ATTR, original)
+    return batch_isend_irecv
+
+
+class Patches:
+    """The installed wrappers; ``remove()`` restores every original that a wrapper of ours still replaces."""
+
+    def __init__(self, maker: NoteMaker) -> None:
+        self.maker = maker
+        self._installed: list[tuple[Any, str, Any, Any]] = []  # (module, name, original, wrapper)
+
+    def install(self) -> list[str]:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        wrappers: dict[str, Any] = {}
+        for name in SPECS:
+            original = getattr(c10d, name, None)
+            if original is None or hasattr(original, ORIGINAL_ATTR):
+                continue
+            wrappers[name] = _wrap(name, original, self.maker)
+        batch = getattr(c10d, "batch_isend_irecv", None)
+        if batch is not None and not hasattr(batch, ORIGINAL_ATTR) and "isend" in wrappers:
+            wrappers["batch_isend_irecv"] = _wrap_batch(batch, self.maker, wrappers["isend"], wrappers["irecv"])
+        for name, wrapper in wrappers.items():
+            original = getattr(wrapper, ORIGINAL_ATTR)
+            for module in (c10d, dist):
+                if getattr(module, name, None) is original:
+                    setattr(module, name, wrapper)
+                    self._installed.append((module, name, original, wrapper))
+        return sorted(wrappers)
+
+    def remove(self) -> None:
+        self.maker.active = False
+        for module, name, original, wrapper in reversed(self._installed):
+            if getattr(module, name, None) is wrapper:
+                setattr(module, name, original)
+        self._installed = []
+
+
+def c10d_loaded() -> bool:
+    """Whether ``torch.distributed`` is imported (and usable) in this process."""
+    return "torch.distributed.distributed_c10d" in sys.modules

@@ -1,0 +1,331 @@
+"""The recorder: a daemon thread that turns notes and Flight Recorder entries into ``comm.*`` spans.
+
+Every :data:`POLL_S` it (docs/comm.md, "Recording"):
+
+1. reads each group's op counter (before taking the notes: an op counted here has its note queued);
+2. takes the queued notes and, for each, writes its group's ``comm.group`` instant once, then starts
+   its span through the runtime's tracer with the op's own start time, inside the context the op was
+   issued in (so the span is a child of the issuing span and carries that step) and on behalf of the
+   issuing thread (its ``tid``); a note that already ended is ended at once with its end time, one
+   still running stays an open span (its start record is in the file: a rank waiting in the op);
+3. ends the spans of running ops that finished since (a future's callback stamped them, or a Work
+   without a future now ``is_completed()``);
+4. when a counter ran past the notes (ops issued from C++ or by functional collectives), reads the
+   Flight Recorder buffer and writes a span for each entry no note covers (``comm.source``:
+   ``flight_recorder``); one op is one span, never two.
+
+Records written late carry the event's time in ``ts`` (readers order by ``seq``). ``flush`` writes
+everything queued; :meth:`Recorder.stop` stops the thread and flushes (shutdown, SIGTERM).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
+
+from otel_train import _report
+from otel_train import context as step_context
+from otel_train import schema as S
+from otel_train.comm import flight_recorder as fr
+from otel_train.comm.groups import GroupState, GroupTable
+from otel_train.comm.notes import Note, NoteQueue
+from otel_train.exporters.jsonl.processor import on_behalf
+
+POLL_S = 0.2
+"""How often the thread looks: a rank waiting in an op shows as an open span within about this long."""
+MAX_GAPS = 4096
+SOURCE_FR = "flight_recorder"
+ATTR_SOURCE = "comm.source"
+_INTERNAL = SpanKind.INTERNAL
+
+
+def span_attrs(op: str, group: str, seq: int, peer: int | None, nbytes: int, dtype: str | None) -> dict[str, Any]:
+    attrs: dict[str, Any] = {S.ATTR_COMM_GROUP: group, S.ATTR_COMM_SEQ: seq}
+    if peer is not None:
+        attrs[S.ATTR_COMM_PEER] = peer
+    attrs[S.ATTR_COMM_BYTES] = nbytes
+    if dtype is not None:
+        attrs[S.ATTR_COMM_DTYPE] = dtype
+    attrs[S.ATTR_COMM_CLOCK] = S.COMM_CLOCK_HOST
+    return attrs
+
+
+class Recorder:
+    """The thread and its state; :meth:`poll` is one look (tests call it)."""
+
+    def __init__(self, tracer: trace.Tracer, queue: NoteQueue, groups: GroupTable, *,
+                 instant: Callable[[str, dict[str, Any]], None], open_entries: Callable[[], list[Any]] | None = None,
+                 buffer: fr.BufferReader | None = None, poll_s: float = POLL_S) -> None:
+        self._tracer = tracer
+        self._queue = queue
+        self._groups = groups
+        self._instant = instant
+        self._open_entries = open_entries
+        self._buffer = buffer
+        self.poll_s = poll_s
+        self._running: list[tuple[Note, Any]] = []  # (note, span) of ops still in progress
+        self._fr_open: dict[tuple[str, int], Any] = {}  # Flight Recorder ops still running: their spans
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.spans = 0
+        self.fr_spans = 0
+        self.fr_lost = 0
+
+    def start(self) -> Recorder:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="otel-train-comm", daemon=True)
+            self._thread.start()
+        return self
+
+    def baseline(self) -> None:
+        """Ops the groups that exist now issued before recording began are not the recorder's to write."""
+        if self._buffer is None or not self._buffer.enabled:
+            return
+        for state, counter in self._counters():
+            state.last_fr_key = max(state.last_fr_key, counter)
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop the thread, then write whatever is queued (ops still running stay open spans)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, timeout_s))
+        self.poll(final=True, wait_s=timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception as exc:  # noqa: BLE001 - the recorder keeps looking; training never hears of it
+                _report.report_exception("comm recorder", exc)
+
+    def poll(self, *, final: bool = False, wait_s: float = -1) -> None:
+        """One look (see the module doc)."""
+        if not self._lock.acquire(timeout=wait_s):
+            return
+        try:
+            counters = self._counters() if self._buffer is not None and self._buffer.enabled else None
+            for note in self._queue.take():
+                self._begin(note)
+            self._end_finished()
+            if counters is not None:
+                self._note_gaps(counters)
+                now = time.monotonic()
+                if (final or self._buffer.due(now)) and (self._fr_open or self._has_gaps()):
+                    self._read_buffer(now)
+        finally:
+            self._lock.release()
+
+    # Notes -> spans
+
+    def _begin(self, note: Note) -> None:
+        state = note.group
+        if note.fr_key is not None and self._buffer is not None and self._buffer.enabled:
+            self._covered(state, note.fr_key)
+        if not state.announced:
+            state.announced = True
+            note.ctx.run(self._instant, S.INSTANT_COMM_GROUP, state.instant_attrs())
+        attrs = span_attrs(note.op, state.name, note.seq, note.peer, note.nbytes, note.dtype)
+        span = self._start_span(note.ctx, S.comm_span_name(note.op), attrs, note.start_ns, note.tid)
+        if note.end_ns or self._work_done(note):
+            self._end(span, note.end_ns, note.error)
+        else:
+            self._running.append((note, span))
+
+    def _start_span(self, ctx: Any, name: str, attrs: dict[str, Any], start_ns: int, tid: int) -> Any:
+        on_behalf.tid = tid
+        try:
+            span = ctx.run(self._tracer.start_span, name, None, _INTERNAL, attrs, None, start_ns)
+        finally:
+            on_behalf.tid = None
+        self.spans += 1
+        return span
+
+    @staticmethod
+    def _work_done(note: Note) -> bool:
+        work = note.work
+        if work is None:
+            return False
+        try:
+            done = work.is_completed()
+        except Exception:  # noqa: BLE001 - a Work that cannot say: end it now
+            done = True
+        if done:
+            note.done()
+        return done
+
+    @staticmethod
+    def _end(span: Any, end_ns: int, error: str | None) -> None:
+        if error is not None:
+            kind, _, message = error.partition(": ")
+            span.add_event("exception", {"exception.type": kind, "exception.message": message})
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=max(end_ns, getattr(span, "_start_time", 0) or 0))
+
+    def _end_finished(self) -> None:
+        still = []
+        for note, span in self._running:
+            if note.end_ns or self._work_done(note):
+                self._end(span, note.end_ns, note.error)
+            else:
+                still.append((note, span))
+        self._running = still
+
+    # Flight Recorder: ops no note covers
+
+    def _counters(self) -> list[tuple[GroupState, int]]:
+        out = []
+        from torch.distributed import distributed_c10d as c10d
+
+        for pg in list(c10d._world.pg_names):
+            try:
+                state = self._groups.get(pg) or self._groups.add(pg)
+                out.append((state, state.counter()))
+            except Exception:  # noqa: BLE001 - a group of a backend without a counter
+                continue
+        return out
+
+    def _covered(self, state: GroupState, key: int) -> None:
+        last = state.last_fr_key
+        if key > last + 1:
+            self._add_gap(state, last + 1, key - 1)
+        if key > last:
+            state.last_fr_key = key
+        elif state.gaps:
+            self._take(state, key)
+
+    def _note_gaps(self, counters: list[tuple[GroupState, int]]) -> None:
+        for state, counter in counters:
+            if counter > state.last_fr_key:
+                self._add_gap(state, state.last_fr_key + 1, counter)
+                state.last_fr_key = counter
+
+    @staticmethod
+    def _add_gap(state: GroupState, lo: int, hi: int) -> None:
+        state.gaps.append((lo, hi))
+        if len(state.gaps) > MAX_GAPS:
+            del state.gaps[0]
+
+    @staticmethod
+    def _take(state: GroupState, key: int) -> bool:
+        """Remove ``key`` from the group's gaps; whether it was in one."""
+        for i, (lo, hi) in enumerate(state.gaps):
+            if lo <= key <= hi:
+                state.gaps[i:i + 1] = [g for g in ((lo, key - 1), (key + 1, hi)) if g[0] <= g[1]]
+                return True
+        return False
+
+    def _has_gaps(self) -> bool:
+        return any(state.gaps for state in self._groups.states())
+
+    def _read_buffer(self, now: float) -> None:
+        entries = self._buffer.read(now)
+        if not entries:
+            return
+        fresh = self._buffer.new(entries)
+        by_name = {state.name: state for state in self._groups.states()}
+        if self._fr_open:
+            self._end_fr_open(entries, by_name)
+        threads = {t.ident: t.native_id for t in threading.enumerate()}
+        open_entries = self._open_entries() if self._open_entries is not None else []
+        for entry in fresh:
+            group = entry.get("process_group") or ("",)
+            state = by_name.get(str(group[0]))
+            op = fr.entry_op(entry)
+            if state is None or op is None:
+                continue
+            key = int(entry["op_id"] if state.op_counts_p2p else entry["collective_seq_id"])
+            if self._take(state, key):
+                self._fr_span(entry, state, op, key, threads, open_entries)
+        self._count_lost(entries, by_name)
+
+    def _fr_span(self, entry: dict[str, Any], state: GroupState, op: str, key: int, threads: dict[Any, Any],
+                 open_entries: list[Any]) -> None:
+        start = int(entry.get("time_created_ns") or time.time_ns())
+        tid = _native_tid(entry, threads)
+        parent = _parent_of(open_entries, tid, start)
+        ctx = _context_for(parent)
+        if not state.announced:
+            state.announced = True
+            ctx.run(self._instant, S.INSTANT_COMM_GROUP, state.instant_attrs())
+        nbytes, dtype = fr.entry_bytes(entry)
+        attrs = span_attrs(op, state.name, int(entry.get("collective_seq_id") or 0), None, nbytes, dtype)
+        attrs[ATTR_SOURCE] = SOURCE_FR
+        span = self._start_span(ctx, S.comm_span_name(op), attrs, start, tid or 0)
+        self.fr_spans += 1
+        if fr.entry_done(entry):
+            self._end(span, int(entry.get("time_discovered_completed_ns") or start), None)
+        else:
+            self._fr_open[(state.name, key)] = span
+
+    def _end_fr_open(self, entries: list[dict[str, Any]], by_name: dict[str, GroupState]) -> None:
+        now = time.time_ns()
+        for entry in entries:
+            group = entry.get("process_group") or ("",)
+            state = by_name.get(str(group[0]))
+            if state is None:
+                continue
+            key = int(entry["op_id"] if state.op_counts_p2p else entry["collective_seq_id"])
+            span = self._fr_open.get((state.name, key))
+            if span is not None and fr.entry_done(entry):
+                del self._fr_open[(state.name, key)]
+                self._end(span, int(entry.get("time_discovered_completed_ns") or now), None)
+
+    def _count_lost(self, entries: list[dict[str, Any]], by_name: dict[str, GroupState]) -> None:
+        """Gaps below the oldest entry of their group are ops the buffer no longer holds."""
+        oldest: dict[str, int] = {}
+        for entry in entries:
+            group = str((entry.get("process_group") or ("",))[0])
+            state = by_name.get(group)
+            if state is not None and group not in oldest:
+                oldest[group] = int(entry["op_id"] if state.op_counts_p2p else entry["collective_seq_id"])
+        for group, first in oldest.items():
+            state = by_name[group]
+            kept = []
+            for lo, hi in state.gaps:
+                if hi < first:
+                    self.fr_lost += hi - lo + 1
+                elif lo < first:
+                    self.fr_lost += first - lo
+                    kept.append((first, hi))
+                else:
+                    kept.append((lo, hi))
+            state.gaps = kept
+
+
+def _native_tid(entry: dict[str, Any], threads: dict[Any, Any]) -> int | None:
+    try:
+        return threads.get(int(entry.get("thread_id") or 0))
+    except (TypeError, ValueError):
+        return None
+
+
+def _parent_of(open_entries: list[Any], tid: int | None, start_ns: int) -> Any:
+    """The innermost span open on thread ``tid`` that started before ``start_ns``: (span, state) or None."""
+    best = None
+    for span, _, state, span_tid in open_entries:
+        if span_tid == tid and span._start_time <= start_ns and (best is None or span._start_time >= best[0]._start_time):
+            best = (span, state)
+    return best
+
+
+def _context_for(parent: Any) -> Any:
+    """A contextvars context whose current span is ``parent``'s and whose step is its step."""
+    import contextvars
+
+    from opentelemetry import context as otel_context
+
+    ctx = contextvars.Context()
+
+    def enter() -> None:
+        if parent is not None:
+            otel_context.attach(trace.set_span_in_context(NonRecordingSpan(parent[0].get_span_context())))
+            step_context._current.set(parent[1])
+
+    ctx.run(enter)
+    return ctx
