@@ -297,3 +297,59 @@ def test_pool_renders_the_same_marks(fmt: str, tmp_path: Path, monkeypatch: pyte
     pooled = export(run, fmt, tmp_path / "pooled", workers=2)
     assert serial.flows == pooled.flows == 7
     assert serial.output.read_bytes() == pooled.output.read_bytes()
+
+
+REAL_JOB = '''
+import os, sys
+os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+import torch, torch.distributed as dist
+import otel_train as ot
+run = sys.argv[1]
+ot.init(enabled=True, save_path=run)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+for step in range(3):
+    with ot.training_step(step):
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        dist.broadcast(t, 0)
+        if rank == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+os.makedirs(os.path.join(run, "flight_recorder"), exist_ok=True)
+with open(os.path.join(run, "flight_recorder", f"rank_{rank}.pkl"), "wb") as f:
+    f.write(torch._C._distributed_c10d._dump_fr_trace())
+dist.destroy_process_group()
+ot.shutdown()
+'''
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.xfail(strict=True, reason="recorder (otel_train/comm) as of this commit: on gloo its comm.seq lags "
+                   "Flight Recorder's collective_seq_id after the first step (all_reduce 1, broadcast 2, all_reduce 2 "
+                   "vs 1, 2, 3) and each send/recv is two spans; remove this mark when they agree")
+def test_real_gloo_job_trace_and_dump_agree(tmp_path: Path) -> None:
+    """A real 2-rank gloo torchrun job records its comm spans and dumps Flight Recorder in process: every
+    dump op is the trace's op (same group and seq: merged, no span of its own), and the export draws a
+    flow per collective and per send -> recv."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    script = tmp_path / "job.py"
+    script.write_text(REAL_JOB)
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TORCH_FR"))}
+    env["OMP_NUM_THREADS"] = "1"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script), str(run)], env=env, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result, data = _chrome(run, tmp_path)
+    assert result.dump_ops == 2 * 6  # gloo's Flight Recorder: the collectives, not send/recv
+    comm = [e for e in data["traceEvents"] if e["ph"] == "X" and e["name"].startswith("comm.")]
+    assert [e for e in comm if e["args"].get("source") == "flight_recorder"] == []
+    assert len(comm) == 2 * 3 * 3
+    assert result.flows == 3 * 2 + 3  # all_reduce and broadcast of each step across 2 ranks, each send -> recv
+    assert {_threads(data)[(e["pid"], e["tid"])] for e in comm} == {"comm"}
