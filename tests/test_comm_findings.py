@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from otel_train import schema
 from otel_train.analysis.comm import SOURCE_FR, CommGraph, CommOp, Group, build_graph, merge, rank_ranges
 from otel_train.analysis.fast import summarize_fast
-from otel_train.analysis.findings import findings
+from otel_train.analysis.findings import findings, straggler_findings
 from otel_train.analysis.spans import Run, load_run
 from otel_train.analysis.summary import summarize, summarize_run
 from otel_train.cli import app
@@ -412,3 +412,27 @@ def test_summarize_cli_fr_option_and_a_missing_dump(tmp_path: Path) -> None:
     assert "no dump for rank 1" in done.stderr
     text = CliRunner().invoke(app, ["summarize", str(tmp_path), "--fr", str(fr)])
     assert "rank 1 hang: group 0 seq 8 all_reduce; waiting 0; missing 1" in text.stdout
+
+
+def test_waiting_for_a_peer_slow_after_the_collective_names_no_victim(tmp_path: Path) -> None:
+    # Rank 1's optimizer (after the all_reduce) is slow: rank 0 waits in the next step's all_reduce,
+    # inside backward. The phase rule alone (lateness within a step) would name rank 0's backward;
+    # judged without the comm op's waiting it does not, and the arrival rule names rank 1.
+    procs = _procs(2)
+    declare(procs)
+
+    def times(r: int, s: int) -> dict[str, float]:
+        t = base(r, s)
+        if r == 1:
+            t["optimizer"] += 20.0
+        return t
+
+    dp_steps(procs, range(40), times)
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    run = load_run(tmp_path)
+    no_comm = straggler_findings(run.groups()[0], run.phase_order())  # without the graph
+    assert [(f["rank"], f["phase"]) for f in no_comm] == [(0, BACKWARD)]  # the victim: what comm ops fix
+    found = summarize(tmp_path)["findings"]
+    assert [(f["kind"], f["rank"], f["phase"], f.get("by")) for f in found] == [("straggler", 1, "optimizer", "arrival")]

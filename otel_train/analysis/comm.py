@@ -169,8 +169,9 @@ class CommGraph:
         if op.seq > self.last_seq.get(key2, -1):
             self.last_seq[key2] = op.seq
         if len(ops) > 1 and op.seq < self.desynced.get(op.group, op.seq + 1):
-            mine = ops[op.rank]
-            if any(_disagree(mine, other) for rank, other in ops.items() if rank != op.rank):
+            # Against one other member: each op was checked against the same one when it came.
+            ref = next(other for rank, other in ops.items() if rank != op.rank)
+            if _disagree(ops[op.rank], ref):
                 self._desync(op.group, op.seq)
 
     def _desync(self, group: str, seq: int) -> None:

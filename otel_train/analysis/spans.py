@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from otel_train import schema
-from otel_train.analysis.comm import CommGraph, CommOp, Group, build_graphs
+from otel_train.analysis.comm import SOURCE_TRACE, CommGraph, CommOp, Group, build_graphs
 from otel_train.analysis.records import (
     AnyRecord,
     Head,
@@ -190,17 +190,15 @@ class CommLog:
 
     def op(self, i: int, rank: int, attempt: int) -> CommOp:
         """Row ``i`` as a CommOp."""
-        s = self.strings
-        group, op, dtype, state, clock, phase = (s[c] for c in self.codes[6 * i:6 * i + 6])
-        end = self.end[i]
-        sid = self.odd_sids.get(i) or (f"{self.sid[i]:016x}" if self.sid[i] else None)
-
-        def opt(column: array) -> int | None:
-            return None if column[i] == _NONE else column[i]
-
-        return CommOp(rank, attempt, group or "", self.seq[i], op or "", self.start[i], None if end != end else end,
-                      opt(self.peer), opt(self.nbytes), dtype, opt(self.step), sid, opt(self.tid), state or "ok",
-                      clock=clock or schema.COMM_CLOCK_HOST, phase=phase)
+        s, c = self.strings, 6 * i
+        codes = self.codes
+        end, sid, peer, nbytes, step, tid = self.end[i], self.sid[i], self.peer[i], self.nbytes[i], self.step[i], self.tid[i]
+        return CommOp(rank, attempt, s[codes[c]] or "", self.seq[i], s[codes[c + 1]] or "", self.start[i],
+                      None if end != end else end, None if peer == _NONE else peer,
+                      None if nbytes == _NONE else nbytes, s[codes[c + 2]], None if step == _NONE else step,
+                      self.odd_sids.get(i) or (f"{sid:016x}" if sid else None), None if tid == _NONE else tid,
+                      s[codes[c + 3]] or "ok", SOURCE_TRACE, s[codes[c + 4]] or schema.COMM_CLOCK_HOST,
+                      s[codes[c + 5]])
 
 
 def _int(value: Any) -> int | None:
@@ -251,7 +249,7 @@ class ProcessState:
         "source", "rank", "attempt", "instance", "keep",
         "host", "pid", "world_size", "local_rank", "run_id", "job_id",
         "first_ts", "last_ts", "last_event", "first_step", "final_step", "relative_step",
-        "records", "malformed", "ended_cleanly", "last_closed", "last_heartbeat_ts", "settings",
+        "records", "malformed", "ended_cleanly", "end_signal", "last_closed", "last_heartbeat_ts", "settings",
         "phases", "parents", "errors", "incomplete", "stalls", "opened",
         "spans", "instants", "scalars", "_sinks",
         "comm", "comm_groups", "mesh", "_comm_sinks", "_comm_phase",
@@ -274,6 +272,7 @@ class ProcessState:
         self.records = 0
         self.malformed = 0
         self.ended_cleanly = False
+        self.end_signal: str | None = None  # process_end's signal: shut down on a SIGTERM (not died)
         self.last_closed: str | None = None  # last phase that closed inside the current step
         self.last_heartbeat_ts: float | None = None
         self.settings: dict[str, Any] = {}  # the process's resolved settings (its process_start record)
@@ -453,6 +452,8 @@ class ProcessState:
         name = rec.name
         if name == schema.INSTANT_PROCESS_END:
             self.ended_cleanly = True
+            signal = (rec.attrs or {}).get("signal")
+            self.end_signal = signal if isinstance(signal, str) else None
         elif name == schema.INSTANT_PROCESS_START:
             settings = (rec.attrs or {}).get("settings")
             self.settings = settings if isinstance(settings, dict) else {}
