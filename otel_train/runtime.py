@@ -459,6 +459,7 @@ def _finish_file(jsonl: JsonlSpanProcessor, writer: RotatingFileWriter | None, i
         "spans_dropped": dropped,
         "write_errors": writer.errors if writer is not None else 0,
         "dropped_records": dropped_records,
+        **({"signal": _end_signal} if _end_signal else {}),
     })
 
 
@@ -498,8 +499,11 @@ def _install_process_hooks() -> None:
         atexit.register(shutdown)
         os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
                             after_in_child=_after_fork_in_child)
-    if _sigterm_previous is _NOT_CHAINED and threading.current_thread() is threading.main_thread():
-        _chain_sigterm()  # again in a fork child that calls init: the child dropped ours
+    if _sigterm_previous is _NOT_CHAINED and _sigterm_watch is None:
+        if threading.current_thread() is threading.main_thread():
+            _chain_sigterm()  # again in a fork child that calls init: the child dropped ours
+        else:
+            _watch_sigterm()  # init off the main thread (Ray Train workers): no Python handler possible
 
 
 def _shutdown_at_multiprocessing_exit() -> None:
@@ -528,7 +532,7 @@ def _chain_sigterm() -> None:
             timer.daemon = True
             timer.start()
             return
-        shutdown(SIGTERM_SHUTDOWN_TIMEOUT_S)
+        _shutdown_on_signal()
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
@@ -543,6 +547,79 @@ def _chain_sigterm() -> None:
         pass
 
 
+def _shutdown_on_signal() -> None:
+    global _end_signal
+    _end_signal = "SIGTERM"  # process_end says so (signal): the analyses tell it from a death
+    try:
+        shutdown(SIGTERM_SHUTDOWN_TIMEOUT_S)
+    finally:
+        _end_signal = None
+
+
+def _watch_sigterm() -> None:
+    """SIGTERM handling when ``init`` runs off the main thread, where Python refuses ``signal.signal``.
+
+    While SIGTERM has its default action, ``faulthandler`` (whose C handler any thread may install)
+    takes it: on a SIGTERM it writes the threads' stacks into a pipe and returns, so the process lives
+    on; a watcher thread wakes on that write, shuts down (process_end, ``signal``), puts the default
+    action back and sends itself SIGTERM: the process dies of it as it would have without us. A handler
+    the main thread already set is left alone (it exits, as a rule, and exit runs shutdown). When none
+    of this can be set up, one line says so at init.
+    """
+    global _sigterm_watch
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous != signal.SIG_DFL:
+        return
+    where = threading.current_thread().name
+    try:
+        import faulthandler
+
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # a signal handler must never block on a full pipe
+        faulthandler.register(signal.SIGTERM, file=write_fd, all_threads=False, chain=False)
+    except (ImportError, OSError, RuntimeError, ValueError) as exc:
+        _report.report("sigterm off the main thread",
+                       f"otel_train.init() ran in thread {where!r}, not the main thread, and no SIGTERM watcher could "
+                       f"be set up ({_report.safe_str(exc)}): a SIGTERM will end this process without process_end. "
+                       "Call init() from the main thread")
+        return
+    watcher = threading.Thread(target=_sigterm_watcher, args=(read_fd,), name="otel_train.sigterm", daemon=True)
+    _sigterm_watch = (read_fd, write_fd)
+    watcher.start()
+
+
+def _sigterm_watcher(read_fd: int) -> None:
+    # SIGTERM is blocked here, so faulthandler's handler never runs on the thread that drains its pipe.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        got = os.read(read_fd, 1 << 16)
+    except OSError:
+        return
+    if not got or _sigterm_watch is None or _sigterm_watch[0] != read_fd:
+        return  # closed in a fork child, or no longer ours
+    _shutdown_on_signal()
+    import faulthandler
+
+    faulthandler.unregister(signal.SIGTERM)  # the default action again: die of SIGTERM, as without us
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _unwatch_sigterm_in_child() -> None:
+    # A fork child must not feed its parent's watcher (the pipe is shared): SIGTERM acts by default there.
+    global _sigterm_watch
+    watch, _sigterm_watch = _sigterm_watch, None
+    if watch is None:
+        return
+    import faulthandler
+
+    faulthandler.unregister(signal.SIGTERM)
+    for fd in watch:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 # A SIGTERM that reaches a fork child before CPython's own after-fork code runs is lost: that code
 # clears the flags its C-level handler set, so a Python handler never runs and the child lives on
 # (a multiprocessing.Pool worker terminated right after its fork then blocks its pool's join
@@ -551,11 +628,13 @@ def _chain_sigterm() -> None:
 # that arrived meanwhile acts as it would have without otel-train.
 _NOT_CHAINED: Any = object()
 _sigterm_previous: Any = _NOT_CHAINED
+_sigterm_watch: tuple[int, int] | None = None  # (read, write) ends of the off-main-thread watcher's pipe
+_end_signal: str | None = None  # set while shutdown runs for a signal
 _fork_mask = threading.local()
 
 
 def _before_fork() -> None:
-    if _sigterm_previous is not _NOT_CHAINED:
+    if _sigterm_previous is not _NOT_CHAINED or _sigterm_watch is not None:
         _fork_mask.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
 
@@ -568,6 +647,7 @@ def _after_fork_in_parent() -> None:
 
 def _restore_sigterm_in_child() -> None:
     global _sigterm_previous
+    _unwatch_sigterm_in_child()
     if _sigterm_previous is not _NOT_CHAINED:
         try:
             signal.signal(signal.SIGTERM, _sigterm_previous)

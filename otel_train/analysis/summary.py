@@ -95,6 +95,7 @@ def process_row(d: ProcessState) -> dict[str, Any]:
         "last_ts": d.last_ts,
         "open_spans": [u.name for u in d.unclosed],
         "ended_cleanly": d.ended_cleanly,
+        "signal": d.end_signal,  # "SIGTERM": shut down on a signal; null: ended by itself, or died
         "records": d.records,
     }
 
