@@ -436,3 +436,46 @@ def test_waiting_for_a_peer_slow_after_the_collective_names_no_victim(tmp_path: 
     assert [(f["rank"], f["phase"]) for f in no_comm] == [(0, BACKWARD)]  # the victim: what comm ops fix
     found = summarize(tmp_path)["findings"]
     assert [(f["kind"], f["rank"], f["phase"], f.get("by")) for f in found] == [("straggler", 1, "optimizer", "arrival")]
+
+
+def test_a_hang_ended_by_sigterm_names_the_same_culprit(tmp_path: Path) -> None:
+    # The launcher stopped the hung job: every rank's open spans ended as incomplete, then process_end.
+    procs = _collective_hang(tmp_path, n=4, culprit=3)
+    for p in procs:
+        p.advance(60_000)
+        p.shutdown()
+    write_run(tmp_path, procs)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("hang", 3)]
+    assert (found[0]["comm"]["seq"], found[0]["comm"]["waiting"], found[0]["comm"]["missing"]) == (5, [0, 1, 2], [3])
+
+
+def test_arrivals_are_compared_within_one_host_only(tmp_path: Path) -> None:
+    # One rank per host: no arrival order is read across clocks, so only the phase rule (each rank's
+    # own durations) names the slow loader. Two ranks per host: the arrival rule names it on its host.
+    for hosts, by in (({0: "a", 1: "b"}, None), ({0: "a", 1: "a", 2: "b", 3: "b"}, "arrival")):
+        run_dir = tmp_path / str(len(hosts))
+        procs = [Proc(rank=r, world_size=len(hosts), host=h) for r, h in hosts.items()]
+        declare(procs)
+        dp_steps(procs, range(40), _slow(1, 40.0))
+        for p in procs:
+            p.shutdown()
+        write_run(run_dir, procs)
+        found = summarize(run_dir)["findings"]
+        assert [(f["kind"], f["rank"], f["phase"], f.get("by")) for f in found] == [("straggler", 1, DATA_FETCH, by)]
+        if by:
+            assert found[0]["comm"]["waiting"] == [0]  # its host's peer: rank 2, 3 wait on another clock
+
+
+def test_fast_gives_the_same_desync(tmp_path: Path) -> None:
+    procs = _procs(4)
+    declare(procs)
+    dp_steps(procs, range(300))
+    for p in procs:
+        p.set_step(300)
+        p.start(STEP)
+        open_op(p, "all_reduce", "0", 300, nbytes=64 if p.rank == 2 else 16)
+    write_run(tmp_path, procs)
+    full = summarize(tmp_path)["findings"]
+    assert _kinds(full) == [("desync", 2)]
+    assert summarize_fast(tmp_path)["findings"] == full

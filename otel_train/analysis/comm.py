@@ -253,6 +253,22 @@ class CommGraph:
                 sides.setdefault(ops[rank].signature()[1:], []).append(rank)
         return seq, sides
 
+    def minority(self, group: str) -> tuple[int, list[int], dict[tuple[Any, ...], list[int]]] | None:
+        """The group's first desynced seq, its culprit side (the ranks a ``desync`` finding names) and
+        every side: fewest ranks; at a tie the signature the group issued least often elsewhere; then
+        the side without the lowest rank."""
+        found = self.desync_sides(group)
+        if found is None or len(found[1]) < 2:
+            return None
+        seq, sides = found
+
+        def seen(sig: tuple[Any, ...]) -> int:
+            return sum(1 for (g, _), ops in self.collectives.items() if g == group
+                       for op in ops.values() if op.signature() == sig)
+
+        culprit = min(sides, key=lambda sig: (len(sides[sig]), seen(sig), -min(sides[sig])))
+        return seq, sides[culprit], sides
+
     def arrivals(self) -> Iterator[Arrival]:
         """Every collective that each member arrived at, per host (clocks of one host only: docs/comm.md)."""
         for (group, seq), ops in self.collectives.items():

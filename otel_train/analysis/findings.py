@@ -584,22 +584,13 @@ def _all_waiting(attempt: int, waits: dict[int, list[CommOp]], graph: CommGraph)
                     ranks=ranks, victims=[], comm=comm)
 
 
-def _minority(graph: CommGraph, group: str, sides: dict[tuple[Any, ...], list[int]]) -> tuple[Any, ...]:
-    """The side of a desync that is the culprit: fewest ranks; then the signature the group issued
-    least often elsewhere; then the side without the lowest rank."""
-    def seen(sig: tuple[Any, ...]) -> int:
-        return sum(1 for (g, _), ops in graph.collectives.items() if g == group
-                   for op in ops.values() if op.signature() == sig)
-    return min(sides, key=lambda sig: (len(sides[sig]), seen(sig), -min(sides[sig])))
-
-
 def _desync_culprits(group: list[ProcessState], graph: CommGraph) -> list[ProcessState]:
     by_rank = {d.rank: d for d in group}
     out = []
     for g in sorted(graph.desynced):
-        found = graph.desync_sides(g)
+        found = graph.minority(g)
         if found is not None:
-            out += [by_rank[r] for r in found[1][_minority(graph, g, found[1])] if r in by_rank]
+            out += [by_rank[r] for r in found[1] if r in by_rank]
     return out
 
 
@@ -608,17 +599,16 @@ def desync_findings(group: list[ProcessState], graph: CommGraph) -> list[dict[st
     by_rank = {d.rank: d for d in group}
     out = []
     for g in sorted(graph.desynced):
-        found = graph.desync_sides(g)
-        if found is None or len(found[1]) < 2:
+        found = graph.minority(g)
+        if found is None:
             continue
-        seq, sides = found
-        culprit_sig = _minority(graph, g, sides)
+        seq, culprits, sides = found
+        culprit_sig = next(sig for sig, ranks in sides.items() if ranks == culprits)
         ops = graph.collectives.get((g, seq)) or {
             op.rank: op for pair in graph.p2p.values() for op in pair if op is not None and op.group == g and op.seq == seq}
         order = sorted(sides, key=lambda sig: (sig == culprit_sig, min(sides[sig])))
         parts = [f"{'ranks' if len(sides[sig]) > 1 else 'rank'} {', '.join(map(str, sides[sig]))} "
                  f"{ops[sides[sig][0]].describe()}" for sig in order]
-        culprits = sides[culprit_sig]
         op = ops[culprits[0]]
         desc = graph.desc(g)
         others = sorted(r for sig in order if sig != culprit_sig for r in sides[sig])
