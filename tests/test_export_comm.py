@@ -326,9 +326,6 @@ ot.shutdown()
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.xfail(strict=True, reason="recorder (otel_train/comm) as of this commit: on gloo its comm.seq lags "
-                   "Flight Recorder's collective_seq_id after the first step (all_reduce 1, broadcast 2, all_reduce 2 "
-                   "vs 1, 2, 3) and each send/recv is two spans; remove this mark when they agree")
 def test_real_gloo_job_trace_and_dump_agree(tmp_path: Path) -> None:
     """A real 2-rank gloo torchrun job records its comm spans and dumps Flight Recorder in process: every
     dump op is the trace's op (same group and seq: merged, no span of its own), and the export draws a

@@ -24,6 +24,7 @@ from otel_train.analysis.export import chrome, perfetto
 from otel_train.analysis.export.flows import CommPlan, ProcessMarks, comm_plan
 from otel_train.analysis.export.layout import Counts, ProcessLayout, layout_process
 from otel_train.analysis.records import Head, ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
+from otel_train.analysis.summary import default_fr  # noqa: F401 - the default dump folder, also for export
 from otel_train.analysis.spans import PARALLEL_MIN_BYTES, iter_processes, pool_context, process_order, read_process
 
 FORMATS = ("chrome", "perfetto", "otlp-json")
@@ -35,7 +36,6 @@ _RENDERERS: dict[str, ModuleType] = {"chrome": chrome, "perfetto": perfetto}
 process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malformed_lines)``."""
 
 Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None"]
-FR_DIR = "flight_recorder"
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +72,7 @@ def export(
 ) -> ExportResult:
     """Write the run at ``path`` as ``fmt`` (one of :data:`FORMATS`) to ``output`` (default:
     :func:`default_output`); only ``ranks`` and steps ``lo..hi`` when given. ``fr``: Flight Recorder
-    dumps to merge (default: the run's ``flight_recorder/``, when it exists).
+    dumps to merge (default: the run's ``fr_dir``, ``<run>/flight_recorder/``, when it exists).
 
     Raises TraceReadError when ``path`` holds no trace files, ValueError for an unknown format. The
     file is written next to ``output`` and renamed into place, so a failed export leaves no torn file.
@@ -91,7 +91,7 @@ def export(
         with tmp.open("wb", buffering=1 << 20) as f:
             if fmt in _RENDERERS:
                 order = process_order(path, ranks, reader.bad.warn)
-                plan = comm_plan(order, default_fr(path) if fr is None else Path(fr), reader.bad.warn)
+                plan = comm_plan(path, order, None if fr is None else Path(fr), reader.bad.warn)
                 counts = _write_rendered(_RENDERERS[fmt], fmt, order, plan, f, origin_us, reader, steps, workers)
             else:
                 from otel_train.analysis.export import otlp_json  # the OTel/protobuf stack: only when asked
@@ -107,12 +107,6 @@ def export(
     dump_ops = len(plan.dumps.ops) if plan.dumps is not None else 0
     return ExportResult(*counts, out, reader.malformed_lines, plan.flows, dump_ops)
 
-
-def default_fr(path: str | Path) -> Path:
-    """The run's Flight Recorder dumps: ``<run>/flight_recorder`` (the ``fr_dir`` default)."""
-    logs = logs_dir(path)
-    run = logs.parent if logs.name == schema.STRUCTURED_LOGS_DIR else logs
-    return run / FR_DIR
 
 
 def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:

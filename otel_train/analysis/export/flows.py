@@ -22,22 +22,25 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from otel_train import schema
 from otel_train.analysis.export.layout import COMM_TID
-from otel_train.analysis.comm import SOURCE_FR, CommGraph, CommOp, build_graphs, wait_chains
+from otel_train.analysis.comm import SOURCE_FR, CommGraph, CommOp
 from otel_train.analysis.flight_recorder import FlightRecorderDumps, read_dumps
 from otel_train.analysis.records import BadLines, Head, Instant, ProcessFiles, Warn, decode_chunk, open_regular
-from otel_train.analysis.spans import ProcessState, Run, Span
+from otel_train.analysis.findings import CRASH, DESYNC, HANG, findings
+from otel_train.analysis.spans import ProcessState, Run, Span, load_run, process_order
+from otel_train.analysis.summary import default_fr
 
 NEEDLES = (b'"comm.', b'"' + schema.INSTANT_MESH.encode() + b'"')
 """A line holding one of these may be a comm record (a ``comm.*`` span, a ``comm.group`` instant, a mesh)."""
 CULPRIT = "culprit"
 """Name of the instant that marks a hang's or a desync's culprit on its comm track."""
 LAST_ARRIVAL = "last_arrival"
+CULPRIT_KINDS = (HANG, CRASH, DESYNC)
 FR_SPAN_PREFIX = "fr:"
 _BLOCK = 4 << 20
 
@@ -75,22 +78,31 @@ class CommPlan:
         return self.marks.get((source, rank, attempt))
 
 
-def comm_plan(order: list[tuple[ProcessFiles, int, Head | None]], fr: Path | None, warn: Warn) -> CommPlan:
-    """The marks of the run's processes (``order``: :func:`~otel_train.analysis.spans.process_order`)
-    with the Flight Recorder dumps under ``fr`` (none when None or missing)."""
-    states = [s for s in (scan_comm(pf, attempt, meta) for pf, attempt, meta in order) if s.records]
+def comm_plan(path: str | Path, order: list[tuple[ProcessFiles, int, Head | None]], fr: Path | None,
+              warn: Warn) -> CommPlan:
+    """The marks of the processes in ``order`` (the exported ones:
+    :func:`~otel_train.analysis.spans.process_order`), from the comm records of every process of the run
+    at ``path`` and the Flight Recorder dumps under ``fr`` (default: the run's ``fr_dir``)."""
+    everyone = process_order(path, warn=_quiet)
+    run = Run([s for s in (scan_comm(pf, attempt, meta) for pf, attempt, meta in everyone) if s.records])
     plan = CommPlan()
-    if fr is not None and fr.exists():
-        known = [g for s in states for g in s.comm_groups.values()]
-        world = max((s.world_size or 0 for s in states), default=0) or None
+    fr = fr if fr is not None else default_fr(path, run)
+    if fr.exists():
+        known = [g for s in run.processes for g in s.comm_groups.values()]
+        world = max((s.world_size or 0 for s in run.processes), default=0) or None
         plan.dumps = read_dumps(fr, warn=warn, world_size=world, groups=known)
-    dump_ops = plan.dumps.ops if plan.dumps is not None else []
+        run.extra_ops, run.extra_groups = list(plan.dumps.ops), list(plan.dumps.groups.values())
     exported = {(pf.source, pf.rank, attempt) for pf, attempt, _ in order}
-    groups = plan.dumps.groups.values() if plan.dumps is not None else ()
     ids = itertools.count(1)
-    for graph in build_graphs(Run(states), dump_ops, groups).values():
+    for graph in run.comm.values():
         _mark_graph(plan, graph, ids, exported)
+    if any(g.desynced or any(op.waiting for op in g.all_ops()) for g in run.comm.values()):
+        _mark_culprits(plan, path, run, exported)
     return plan
+
+
+def _quiet(_message: str) -> None:
+    pass
 
 
 def scan_comm(pf: ProcessFiles, attempt: int, meta: Head | None) -> ProcessState:
@@ -171,10 +183,6 @@ def _mark_graph(plan: CommPlan, graph: CommGraph, ids: Iterator[int], exported: 
         if pm is not None:
             sid = span_id_of(op)
             pm.spans[sid] = _replace(pm.spans.get(sid, SpanMark()), last_arrival=True)
-    for rank, instant in _culprits(graph):
-        pm = marks(rank)
-        if pm is not None:
-            pm.instants.append(instant)
 
 
 def _chain(plan: CommPlan, ops: list[CommOp], ids: Iterator[int], marks) -> None:
@@ -221,33 +229,37 @@ def dump_span(op: CommOp) -> Span:
                 op.step, attrs)
 
 
-def _culprits(graph: CommGraph) -> Iterable[tuple[int, Instant]]:
-    """(rank, instant) for each hang's culprit (the rank the waiting ones wait for) and each desync's
-    minority side, at the moment the first waiter arrived (a desync: the culprit's own op)."""
-    for culprit, links in sorted(wait_chains(graph, graph.waiting()).items()):
-        first = min((op for _, op in links), key=lambda o: o.start or 0.0)
-        waiting = sorted({w for w, _ in links})
-        message = (f"rank {culprit} never issued {first.op} #{first.seq} of group {first.group}; "
-                   f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} wait")
-        yield culprit, _instant(first.start, {"kind": "hang", "group": first.group, "seq": first.seq,
-                                              "op": first.op, "waiting": waiting, "message": message})
-    for group in sorted(graph.desynced):
-        found = graph.desync_sides(group)
-        if found is None:
+def _mark_culprits(plan: CommPlan, path: str | Path, scanned: Run, exported: set[Key]) -> None:
+    """A ``culprit`` instant on the comm track of each culprit of the findings' communication hangs and
+    desyncs (the one findings module, on the whole run read once more: only a run whose comm graph has
+    a rank waiting or a desync pays for it), at the first waiter's arrival (a desync: its own op)."""
+    run = load_run(path, warn=_quiet)
+    run.extra_ops, run.extra_groups = scanned.extra_ops, scanned.extra_groups
+    source_of = {(d.rank, d.attempt): d.source for d in run.processes}
+    for found in findings(run, stragglers=False):
+        comm = found.get("comm")
+        if found.get("kind") not in CULPRIT_KINDS or not isinstance(comm, dict):
             continue
-        seq, sides = found
-        smallest = min(len(r) for r in sides.values())
-        minority = [r for ranks in sides.values() for r in ranks if len(ranks) == smallest]
-        if smallest == max(len(r) for r in sides.values()):
-            minority = [r for ranks in sides.values() for r in ranks]
-        ops = graph.collectives.get((group, seq), {})
-        described = {str(r): ops[r].describe() for r in sorted(ops)}
-        for rank in sorted(minority):
-            op = ops.get(rank)
-            ts = op.start if op is not None else min((o.start or 0.0 for o in ops.values()), default=0.0)
-            message = f"group {group} seq {seq}: " + ", ".join(f"rank {r}: {d}" for r, d in described.items())
-            yield rank, _instant(ts, {"kind": "desync", "group": group, "seq": seq, "ops": described,
-                                      "message": message})
+        attempt = found.get("attempt") or 0
+        culprits = found.get("ranks") if found.get("kind") == DESYNC else None
+        for rank in culprits or [found.get("rank")]:
+            key = (source_of.get((rank, attempt), ""), rank, attempt)
+            graph = run.comm.get((key[0], attempt))
+            if key not in exported or graph is None:
+                continue
+            attrs = {"kind": found["kind"], "message": found.get("message", ""), **comm}
+            plan.marks.setdefault(key, ProcessMarks()).instants.append(_instant(_mark_ts(graph, comm, rank), attrs))
+
+
+def _mark_ts(graph: CommGraph, comm: dict, rank: int) -> float | None:
+    """When to mark: a desync at the culprit's op, a hang when the first waiter arrived."""
+    group, seq = comm.get("group"), comm.get("seq")
+    ops = [op for op in graph.all_ops() if op.group == group and op.seq == seq and op.start is not None]
+    own = [op.start for op in ops if op.rank == rank]
+    if comm.get("op") and own and rank not in comm.get("waiting", ()) and rank not in comm.get("missing", ()):
+        return min(own)  # type: ignore[type-var]
+    waiting = [op.start for op in ops if op.rank in comm.get("waiting", ())]
+    return min(waiting or own or [None], key=lambda t: t or 0.0)  # type: ignore[type-var]
 
 
 def _instant(ts: float | None, attrs: dict) -> Instant:
