@@ -479,3 +479,20 @@ def test_fast_gives_the_same_desync(tmp_path: Path) -> None:
     full = summarize(tmp_path)["findings"]
     assert _kinds(full) == [("desync", 2)]
     assert summarize_fast(tmp_path)["findings"] == full
+
+
+def test_a_dump_shows_a_rank_waiting_outside_any_span(tmp_path: Path) -> None:
+    # Collectives off and no span open on rank 0 (it waits in a bare all_reduce between steps): its
+    # dump says it waits in #8, so rank 1 (stopped in forward, never issued #8) is the culprit.
+    procs = _procs(2)
+    for p in procs:
+        p.steps(range(3))
+    procs[1].stop_inside(3, [FORWARD])
+    write_run(tmp_path, procs)
+    fr = tmp_path / "flight_recorder"
+    fr.mkdir()
+    (fr / "host-a.rank0.pkl").write_bytes((DUMPS / "host-a.rank0.pkl").read_bytes())
+    (fr / "host-b.rank1.pkl").write_bytes((DUMPS / "host-b.rank1.pkl").read_bytes())
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("hang", 1)], found
+    assert (found[0]["comm"]["waiting"], found[0]["comm"]["seq"], found[0]["phase"]) == ([0], 8, FORWARD)

@@ -166,14 +166,18 @@ def _stop_findings(
     settled = [d for d in group if d not in running]
     stopped = [d for d in settled if d.unclosed]
     others = [d for d in settled if not d.unclosed]
+    # A Flight Recorder dump may show a rank waiting in an op outside any span (collectives off).
+    waiting = graph.waiting(d.rank for d in others if not d.ended_cleanly) if graph is not None and others else {}
+    inside = [d for d in others if d.rank in waiting and not d.ended_cleanly]
+    others = [d for d in others if d not in inside]
     died_outside = [d for d in others if dead(d)]
     if stopped:
         # Only a death before anyone got stuck can explain the stuck ones; a later one is their echo
         # (e.g. a collective failing once the stuck rank was killed).
         first_stop = min(d.innermost.start_ts for d in stopped)  # type: ignore[union-attr]
         died_outside = [d for d in died_outside if (d.last_ts or 0.0) <= first_stop]
-    if stopped and graph is not None:
-        decided = _comm_stop_findings(group, stopped, others, died_outside, graph, dead)
+    if (stopped or inside) and graph is not None:
+        decided = _comm_stop_findings(group, stopped + inside, others, died_outside, graph, dead)
         if decided is not None:
             return decided
     found = [_died_outside(d, stopped) for d in died_outside]
