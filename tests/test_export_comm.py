@@ -350,3 +350,21 @@ def test_real_gloo_job_trace_and_dump_agree(tmp_path: Path) -> None:
     assert len(comm) == 2 * 3 * 3
     assert result.flows == 3 * 2 + 3  # all_reduce and broadcast of each step across 2 ranks, each send -> recv
     assert {_threads(data)[(e["pid"], e["tid"])] for e in comm} == {"comm"}
+
+
+def test_dumps_found_in_the_runs_fr_dir(tmp_path: Path) -> None:
+    """Without ``fr``, the dumps are read from the ``fr_dir`` the processes recorded in ``process_start``."""
+    run = tmp_path / "run"
+    elsewhere = tmp_path / "dumps_elsewhere"
+    elsewhere.mkdir()
+    procs = [Proc(rank=r, world_size=2, t0=T0) for r in range(2)]
+    for p in procs:
+        p.instant(schema.INSTANT_PROCESS_START, settings={"fr_dir": str(elsewhere)})
+        p.steps(range(1))
+        p.shutdown()
+    write_run(run, procs)
+    for rank in (0, 1):
+        (elsewhere / f"rank_{rank}.json").write_text(json.dumps(_dump(rank, [("1", "all_reduce", 1, 3.0, True)])))
+    result, data = _chrome(run, tmp_path)
+    assert result.dump_ops == 2 and result.flows == 1
+    assert sum(1 for e in data["traceEvents"] if e["ph"] == "X" and e["args"].get("source") == "flight_recorder") == 2

@@ -35,8 +35,9 @@ from otel_train.analysis.findings import CRASH, DESYNC, HANG, findings
 from otel_train.analysis.spans import ProcessState, Run, Span, load_run, process_order
 from otel_train.analysis.summary import default_fr
 
-NEEDLES = (b'"comm.', b'"' + schema.INSTANT_MESH.encode() + b'"')
-"""A line holding one of these may be a comm record (a ``comm.*`` span, a ``comm.group`` instant, a mesh)."""
+NEEDLES = (b'"comm.', b'"' + schema.INSTANT_MESH.encode() + b'"', b'"' + schema.INSTANT_PROCESS_START.encode() + b'"')
+"""A line holding one of these may be a comm record (a ``comm.*`` span, a ``comm.group`` instant, a
+mesh) or the ``process_start`` whose settings name the run's ``fr_dir``."""
 CULPRIT = "culprit"
 """Name of the instant that marks a hang's or a desync's culprit on its comm track."""
 LAST_ARRIVAL = "last_arrival"
