@@ -43,9 +43,9 @@ from otel_train.analysis.summary import default_fr, process_row, unclosed_rows, 
 
 FIRST_WINDOW = 64 << 10
 """Bytes read from the end of a process's files first (about 150 records)."""
-LAST_WINDOW = 4 << 20
-"""The largest tail window read while a file is more than 32 times its size: past it the process is
-read whole, streamed (:func:`_whole`), so the windows before cost at most a few % of that read."""
+WINDOW_SHARE_SHIFT = 6
+"""Tail windows grow up to 1/64 of the process's bytes (``total >> 6``); past that the process is read
+whole, streamed (:func:`_whole`), so the windows read before cost at most about 2 % of that read."""
 FAST_KINDS = (HANG, CRASH, RESTART, DESYNC)
 """The findings ``--fast`` answers (a desync when its seq is in the tails); errors and stragglers need every step."""
 HEAD_RECORDS = 2000
@@ -85,7 +85,8 @@ def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines,
     held = {span.span_id for span in digest.open} if digest is not None else set()
     total = pf.size
     while True:
-        if size > max(LAST_WINDOW, total >> 5) or size > total:
+        if size > total >> WINDOW_SHARE_SHIFT:
+            state = records = None  # type: ignore[assignment]  # the last window goes before the whole read
             return _whole(pf, attempt, meta, bad)
         state, records, whole, window_bad = _window(pf, attempt, meta, size)
         if whole or _complete(state, records, held):
