@@ -99,7 +99,7 @@ class _Span:
     def __call__(self, fn: F) -> F:
         name, attrs = self._name, self._attrs
         if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
-            return _iteration_wrapper(fn, name, attrs)  # the span covers the iteration (docs/api.md)
+            return _iteration_wrapper(fn, name, attrs)  # the span covers the iteration (docs/reliability.md)
         if inspect.iscoroutinefunction(fn):
 
             @functools.wraps(fn)

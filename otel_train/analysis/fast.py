@@ -2,8 +2,10 @@
 
 A hang's culprit needs only where each rank stopped: its last step, its last event and the spans it
 was inside. Each process file is read from its end, backwards, in windows that grow (64 KiB, then
-4× at a time) until the window is known to hold all of that (:func:`_complete`); rotated segments
-are read only when the active one is shorter than the window. The window's records feed a
+4× at a time) until the window is known to hold all of that (:func:`_complete`), but never past 1/64
+of the process's bytes: then the process is read whole, streamed like a full read (a step-less file, a
+tail of malformed lines or of one huge line), so ``--fast`` never costs more than that. Rotated
+segments are read only when the active one is shorter than the window. The window's records feed a
 :class:`~otel_train.analysis.spans.ProcessState` like any other batch, and the findings come from
 the same rules a full summarize uses, so ``processes``, ``unclosed`` and the ``hang``/``crash``/
 ``restart`` findings are the same.

@@ -273,7 +273,6 @@ class ProcessState:
         self.malformed = 0
         self.ended_cleanly = False
         self.end_signal: str | None = None  # process_end's signal: shut down on a SIGTERM (not died)
-        self.end_signal: str | None = None  # process_end's signal: shut down on a SIGTERM (not died)
         self.last_closed: str | None = None  # last phase that closed inside the current step
         self.last_heartbeat_ts: float | None = None
         self.settings: dict[str, Any] = {}  # the process's resolved settings (its process_start record)
@@ -453,8 +452,6 @@ class ProcessState:
         name = rec.name
         if name == schema.INSTANT_PROCESS_END:
             self.ended_cleanly = True
-            signal = (rec.attrs or {}).get("signal")
-            self.end_signal = signal if isinstance(signal, str) else None
             signal = (rec.attrs or {}).get("signal")
             self.end_signal = signal if isinstance(signal, str) else None
         elif name == schema.INSTANT_PROCESS_START:
