@@ -92,7 +92,8 @@ def test_live_arrival_straggler_over_the_recent_steps(tmp_path: Path) -> None:
     g = Growing(tmp_path, procs)
     events = g.poll_at(0.1)
     found = [e["finding"] for e in events if e["type"] == "finding"]
-    assert [(f["kind"], f["rank"], f["phase"], f.get("by")) for f in found] == [("straggler", 3, DATA_FETCH, "arrival")]
+    assert [(f["kind"], f["rank"], f["phase"]) for f in found] == [("straggler", 3, DATA_FETCH)]
+    assert found[0]["arrival"]["last_at"] == 30 and found[0]["comm"]["waiting"] == [0, 1, 2]
 
 
 def test_live_dumps_are_read_and_merged(tmp_path: Path) -> None:

@@ -120,7 +120,7 @@ class Arrival:
     last: int  # the rank that arrived last
     gap_ms: float  # last arrival minus the second-to-last
     waited_ms: float  # sum over the other members of (last arrival - own arrival)
-    members: tuple[int, ...]
+    members: tuple[int, ...]  # the members compared (one host's), ascending
     step: int | None
     start: float  # the last arrival (its own clock)
 
@@ -286,7 +286,7 @@ class CommGraph:
                 t = last.start or 0.0
                 waited = sum(t - (o.start or 0.0) for o in same[:-1]) * 1000.0
                 yield Arrival(group, seq, last.op, last.rank, (t - (second.start or 0.0)) * 1000.0, waited,
-                              tuple(o.rank for o in same), last.step, t)
+                              tuple(sorted(o.rank for o in same)), last.step, t)
 
     def recent(self, first_step: int, older: int = 1000) -> CommGraph:
         """A copy holding the collectives and p2p ops of steps from ``first_step`` on (live ``watch``'s
