@@ -290,7 +290,9 @@ def main(argv: list[str] | None = None) -> None:
                             multiprocessing_context="fork" if args.num_workers else None)
         batches = iter(ott.traced(FaultyIterable(loader, faults)))
 
-    metrics_group = dist.new_group(group_desc="metrics") if args.fault or args.metrics else None
+    metrics_group = None
+    if args.fault or args.metrics:
+        metrics_group = dist.new_group(timeout=datetime.timedelta(seconds=args.timeout_s), group_desc="metrics")
     handle = ott.instrument(runnable, optimizer)
     optimizer.register_step_pre_hook(lambda *_: faults.inject(phases.OPTIMIZER))  # after ours: inside the span
     checkpoint = Path(args.save_path) / "checkpoints" / "last.pt"

@@ -3,8 +3,9 @@
 ``set_mesh(mesh)`` takes a torch ``DeviceMesh`` (its dim names, sizes and this rank's coordinates);
 ``set_mesh(pp=(4, 1), dp=(4, 2))`` takes keyword dims as ``(size, index)`` pairs. Wrong types raise
 ``TypeError``, impossible values ``ValueError`` (API misuse, checked even when tracing is off); with
-tracing off nothing is written. :func:`detect_meshes` wraps ``init_device_mesh`` so a mesh a
-framework builds is declared too, unless the script declared one itself.
+tracing off nothing is written. :func:`detect_meshes` wraps ``DeviceMesh.__init__`` so a mesh a
+framework builds (any ``DeviceMesh`` spanning the world) is declared too, unless the script declared
+one itself.
 """
 
 from __future__ import annotations
@@ -69,44 +70,54 @@ def set_mesh(mesh: Any = None, /, **coords: Any) -> None:
     api.log_trace_instant(S.INSTANT_MESH, **attrs)
 
 
+_detected: set[str] = set()
+
+
 def declare_detected(mesh: Any) -> None:
-    """A framework built ``mesh``: declare it unless the script declared one (never raises)."""
+    """A framework built ``mesh``: declare it unless the script declared one, or it is a sub-mesh
+    (fewer ranks than the world) or was declared already (never raises)."""
     if _declared or api._tracing is None:
         return
     try:
+        import torch.distributed as dist
+
+        if int(mesh.size()) != dist.get_world_size():
+            return
         attrs = mesh_attrs(mesh)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError, AttributeError):
         return  # no dim names, or this rank is not in it: nothing to declare
+    key = repr(sorted(attrs["dims"].items()))
+    if key in _detected:
+        return
+    _detected.add(key)
     api.log_trace_instant(S.INSTANT_MESH, **attrs)
 
 
 def detect_meshes() -> Callable[[], None]:
-    """Wrap ``init_device_mesh`` (in ``torch.distributed.device_mesh`` and ``torch.distributed``);
-    returns the undo."""
+    """Wrap ``DeviceMesh.__init__`` (however the script imported ``init_device_mesh``, every mesh is
+    built there); returns the undo."""
     global _declared
     _declared = False
+    _detected.clear()
     module = sys.modules.get("torch.distributed.device_mesh")
-    original = getattr(module, "init_device_mesh", None)
+    cls = getattr(module, "DeviceMesh", None)
+    original = getattr(cls, "__init__", None) if isinstance(cls, type) else None
     if original is None or hasattr(original, "__otel_train_original__"):
         return lambda: None
 
     @functools.wraps(original)
-    def init_device_mesh(*args: Any, **kwargs: Any) -> Any:
-        mesh = original(*args, **kwargs)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
         try:
-            declare_detected(mesh)
+            declare_detected(self)
         except Exception as exc:  # noqa: BLE001
             _report.report_exception("declaring a DeviceMesh", exc)
-        return mesh
 
-    init_device_mesh.__otel_train_original__ = original  # type: ignore[attr-defined]
-    homes = [m for m in (module, sys.modules.get("torch.distributed")) if getattr(m, "init_device_mesh", None) is original]
-    for home in homes:
-        home.init_device_mesh = init_device_mesh
+    __init__.__otel_train_original__ = original  # type: ignore[attr-defined]
+    cls.__init__ = __init__
 
     def undo() -> None:
-        for home in homes:
-            if getattr(home, "init_device_mesh", None) is init_device_mesh:
-                home.init_device_mesh = original
+        if cls.__dict__.get("__init__") is __init__:
+            cls.__init__ = original
 
     return undo

@@ -45,6 +45,9 @@ SPECS: dict[str, Spec] = {
     "reduce": Spec("reduce", (0, "tensor"), 3, 4),
     "all_to_all": Spec("all_to_all", (1, "input_tensor_list"), 2, 3),
     "all_to_all_single": Spec("all_to_all", (1, "input"), 4, 5),
+    "all_gather_single": Spec("all_gather", (1, "input_tensor"), 2, 3),
+    "reduce_scatter_single": Spec("reduce_scatter", (1, "input"), 3, 4),
+    "all_reduce_coalesced": Spec("all_reduce", (0, "tensors"), 2, 3),
     "barrier": Spec("barrier", None, 0, 1),
     "gather": Spec("gather", (0, "tensor"), 3, 4),
     "scatter": Spec("scatter", (0, "tensor"), 3, 4),
@@ -177,19 +180,34 @@ class NoteMaker:
         return works
 
 
+class _Inside(threading.local):
+    """Whether this thread is inside a wrapped call: one that calls another wrapped function
+    (``all_gather_into_tensor`` and ``all_gather_single``, say) issues one op, not two."""
+
+    busy = False
+
+
+_inside = _Inside()
+
+
 def _wrap(name: str, original: Callable[..., Any], maker: NoteMaker) -> Callable[..., Any]:
     spec = SPECS[name]
-    begin, finish, fail = maker.begin, maker.finish, maker.fail
+    begin, finish, fail, inside = maker.begin, maker.finish, maker.fail, _inside
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if inside.busy:
+            return original(*args, **kwargs)
         note = begin(spec, args, kwargs)
         if note is None:
             return original(*args, **kwargs)
+        inside.busy = True
         try:
             result = original(*args, **kwargs)
         except BaseException as exc:
             fail(note, exc)
             raise
+        finally:
+            inside.busy = False
         finish(note, spec, result, args)
         return result
 
@@ -216,11 +234,25 @@ def _wrap_batch(original: Callable[..., Any], maker: NoteMaker, isend: Any, irec
     return batch_isend_irecv
 
 
+def _wrap_destroy(original: Callable[..., Any], flush: Callable[[], None]) -> Callable[..., Any]:
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        try:
+            flush()
+        except Exception as exc:  # noqa: BLE001
+            _report.report_exception("recording the ops before destroy_process_group", exc)
+        return original(*args, **kwargs)
+
+    functools.update_wrapper(destroy_process_group, original)
+    setattr(destroy_process_group, ORIGINAL_ATTR, original)
+    return destroy_process_group
+
+
 class Patches:
     """The installed wrappers; ``remove()`` restores every original that a wrapper of ours still replaces."""
 
-    def __init__(self, maker: NoteMaker) -> None:
+    def __init__(self, maker: NoteMaker, before_destroy: Callable[[], None] | None = None) -> None:
         self.maker = maker
+        self.before_destroy = before_destroy  # the recorder's flush: groups and their buffer go with destroy
         self._installed: list[tuple[Any, str, Any, Any]] = []  # (module, name, original, wrapper)
 
     def install(self) -> list[str]:
@@ -236,6 +268,9 @@ class Patches:
         batch = getattr(c10d, "batch_isend_irecv", None)
         if batch is not None and not hasattr(batch, ORIGINAL_ATTR) and "isend" in wrappers:
             wrappers["batch_isend_irecv"] = _wrap_batch(batch, self.maker, wrappers["isend"], wrappers["irecv"])
+        destroy = getattr(c10d, "destroy_process_group", None)
+        if destroy is not None and not hasattr(destroy, ORIGINAL_ATTR) and self.before_destroy is not None:
+            wrappers["destroy_process_group"] = _wrap_destroy(destroy, self.before_destroy)
         for name, wrapper in wrappers.items():
             original = getattr(wrapper, ORIGINAL_ATTR)
             for module in (c10d, dist):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 from opentelemetry import trace
@@ -38,6 +39,7 @@ from otel_train.exporters.jsonl.processor import on_behalf
 POLL_S = 0.2
 """How often the thread looks: a rank waiting in an op shows as an open span within about this long."""
 MAX_GAPS = 4096
+SNAPSHOTS = 32
 SOURCE_FR = "flight_recorder"
 ATTR_SOURCE = "comm.source"
 _INTERNAL = SpanKind.INTERNAL
@@ -69,6 +71,9 @@ class Recorder:
         self.poll_s = poll_s
         self._running: list[tuple[Note, Any]] = []  # (note, span) of ops still in progress
         self._fr_open: dict[tuple[str, int], Any] = {}  # Flight Recorder ops still running: their spans
+        # The open spans at each of the last polls: a Flight Recorder op's parent is the innermost span
+        # open on its thread at the first look after the op was issued that had started before it.
+        self._snapshots: deque[tuple[int, list[Any]]] = deque(maxlen=SNAPSHOTS)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,6 +102,10 @@ class Recorder:
             thread.join(max(0.0, timeout_s))
         self.poll(final=True, wait_s=timeout_s)
 
+    def flush(self, wait_s: float = 1.0) -> None:
+        """Write everything queued and read the Flight Recorder buffer now (before its groups go away)."""
+        self.poll(final=True, wait_s=wait_s)
+
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
@@ -114,6 +123,8 @@ class Recorder:
                 self._begin(note)
             self._end_finished()
             if counters is not None:
+                if self._open_entries is not None:
+                    self._snapshots.append((time.time_ns(), self._open_entries()))
                 self._note_gaps(counters)
                 now = time.monotonic()
                 if (final or self._buffer.due(now)) and (self._fr_open or self._has_gaps()):
@@ -232,7 +243,8 @@ class Recorder:
         if self._fr_open:
             self._end_fr_open(entries, by_name)
         threads = {t.ident: t.native_id for t in threading.enumerate()}
-        open_entries = self._open_entries() if self._open_entries is not None else []
+        if self._open_entries is not None:
+            self._snapshots.append((time.time_ns(), self._open_entries()))
         for entry in fresh:
             group = entry.get("process_group") or ("",)
             state = by_name.get(str(group[0]))
@@ -241,14 +253,19 @@ class Recorder:
                 continue
             key = int(entry["op_id"] if state.op_counts_p2p else entry["collective_seq_id"])
             if self._take(state, key):
-                self._fr_span(entry, state, op, key, threads, open_entries)
+                self._fr_span(entry, state, op, key, threads)
         self._count_lost(entries, by_name)
 
-    def _fr_span(self, entry: dict[str, Any], state: GroupState, op: str, key: int, threads: dict[Any, Any],
-                 open_entries: list[Any]) -> None:
+    def _open_at(self, ns: int) -> list[Any]:
+        for taken, entries in self._snapshots:
+            if taken >= ns:
+                return entries
+        return self._snapshots[-1][1] if self._snapshots else []
+
+    def _fr_span(self, entry: dict[str, Any], state: GroupState, op: str, key: int, threads: dict[Any, Any]) -> None:
         start = int(entry.get("time_created_ns") or time.time_ns())
         tid = _native_tid(entry, threads)
-        parent = _parent_of(open_entries, tid, start)
+        parent = _parent_of(self._open_at(start), tid, start)
         ctx = _context_for(parent)
         if not state.announced:
             state.announced = True

@@ -51,7 +51,7 @@ class CommSession:
         self.recorder = Recorder(self._tracer, self.queue, self.groups, instant=self._instant,
                                  open_entries=self._open_entries, buffer=buffer)
         self.recorder.baseline()
-        self.patches = Patches(NoteMaker(self.queue, self.groups))
+        self.patches = Patches(NoteMaker(self.queue, self.groups), before_destroy=self.recorder.flush)
         self.status["patched"] = self.patches.install()
         self._mesh_undo = mesh.detect_meshes()
         self.recorder.start()
