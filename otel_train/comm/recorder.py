@@ -40,6 +40,7 @@ POLL_S = 0.2
 """How often the thread looks: a rank waiting in an op shows as an open span within about this long."""
 MAX_GAPS = 4096
 SNAPSHOTS = 32
+STEP_HISTORY = 1024
 SOURCE_FR = "flight_recorder"
 ATTR_SOURCE = "comm.source"
 _INTERNAL = SpanKind.INTERNAL
@@ -74,6 +75,8 @@ class Recorder:
         # The open spans at each of the last polls: a Flight Recorder op's parent is the innermost span
         # open on its thread at the first look after the op was issued that had started before it.
         self._snapshots: deque[tuple[int, list[Any]]] = deque(maxlen=SNAPSHOTS)
+        # (time, step context) at each step change: the step of a Flight Recorder op without a parent.
+        self._steps: deque[tuple[int, Any]] = deque(maxlen=STEP_HISTORY)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,6 +89,18 @@ class Recorder:
             self._thread = threading.Thread(target=self._run, name="otel-train-comm", daemon=True)
             self._thread.start()
         return self
+
+    def on_step(self, step: int) -> None:
+        """A step listener (the training thread, once per step): remember when each step began."""
+        self._steps.append((time.time_ns(), step_context.current()))
+
+    def _step_at(self, ns: int) -> Any:
+        state = None
+        for began, at in self._steps:
+            if began > ns:
+                break
+            state = at
+        return state
 
     def baseline(self) -> None:
         """Ops the groups that exist now issued before recording began are not the recorder's to write."""
@@ -266,7 +281,7 @@ class Recorder:
         start = int(entry.get("time_created_ns") or time.time_ns())
         tid = _native_tid(entry, threads)
         parent = _parent_of(self._open_at(start), tid, start)
-        ctx = _context_for(parent)
+        ctx = _context_for(parent, self._step_at(start))
         if not state.announced:
             state.announced = True
             ctx.run(self._instant, S.INSTANT_COMM_GROUP, state.instant_attrs())
@@ -331,8 +346,8 @@ def _parent_of(open_entries: list[Any], tid: int | None, start_ns: int) -> Any:
     return best
 
 
-def _context_for(parent: Any) -> Any:
-    """A contextvars context whose current span is ``parent``'s and whose step is its step."""
+def _context_for(parent: Any, state: Any = None) -> Any:
+    """A contextvars context whose current span is ``parent``'s and whose step is its step (else ``state``)."""
     import contextvars
 
     from opentelemetry import context as otel_context
@@ -343,6 +358,8 @@ def _context_for(parent: Any) -> Any:
         if parent is not None:
             otel_context.attach(trace.set_span_in_context(NonRecordingSpan(parent[0].get_span_context())))
             step_context._current.set(parent[1])
+        elif state is not None:
+            step_context._current.set(state)
 
     ctx.run(enter)
     return ctx

@@ -6,6 +6,7 @@ import sys
 from typing import Any, Callable
 
 from otel_train import _report
+from otel_train import context as step_context
 from otel_train.comm import flight_recorder as fr
 from otel_train.comm.groups import GroupTable
 from otel_train.comm.notes import NoteQueue
@@ -54,6 +55,7 @@ class CommSession:
         self.patches = Patches(NoteMaker(self.queue, self.groups), before_destroy=self.recorder.flush)
         self.status["patched"] = self.patches.install()
         self._mesh_undo = mesh.detect_meshes()
+        step_context.step_listeners.append(self.recorder.on_step)
         self.recorder.start()
 
     def stop(self) -> None:
@@ -64,6 +66,8 @@ class CommSession:
         if self.patches is not None:
             _quietly(self.patches.remove)
         if self.recorder is not None:
+            if self.recorder.on_step in step_context.step_listeners:
+                step_context.step_listeners.remove(self.recorder.on_step)
             _quietly(self.recorder.stop)
 
     def on_stall(self, name: str) -> None:
