@@ -152,3 +152,18 @@ def test_watch_json_lines_carry_comm(tmp_path: Path) -> None:
     assert [(f["kind"], f["rank"]) for f in found] == [("hang", 1)]
     assert found[0]["comm"] == {"group": "0", "seq": 5, "op": "all_reduce", "waiting": [0], "missing": [1],
                                 "ops": {"0": "all_reduce"}}
+
+
+def test_live_graph_keeps_only_what_it_needs(tmp_path: Path, monkeypatch) -> None:
+    import otel_train.analysis.live as live_mod
+
+    monkeypatch.setattr(live_mod, "PRUNE_EVERY_OPS", 100)
+    procs = _dp(2, steps=200)
+    g = Growing(tmp_path, procs)
+    assert g.poll_at(0.1) == []
+    graph = g.live.graphs[("training", 0)]
+    assert len(graph.collectives) <= live_mod.RECENT_STEPS + 60  # of 200: old completed ones dropped
+    assert graph.last_seq[(0, "0")] == 199
+    _hang_at(procs, 200, culprit=1, seq=200)
+    events = g.poll_at(4.5)
+    assert [(e["finding"]["kind"], e["finding"]["rank"], e["finding"]["comm"]["seq"]) for e in events] == [("hang", 1, 200)]

@@ -311,6 +311,23 @@ class CommGraph:
         out.ops = sum(len(v) for v in out.collectives.values()) + len(out.p2p)
         return out
 
+    def prune(self, before_step: int) -> int:
+        """Drop the collectives and p2p pairs of steps before ``before_step`` that every side has left
+        (what live ``watch`` needs no more: who issued what stays in ``last_seq``/``last_p2p``, a
+        group's first desynced seq stays); returns how many were dropped."""
+        def done(ops: Iterable[CommOp | None]) -> bool:
+            return all(o is not None and o.end is not None and o.step is not None and o.step < before_step for o in ops)
+
+        keep = {(g, seq) for g, seq in self.desynced.items()}
+        old = [k for k, ops in self.collectives.items()
+               if k not in keep and len(ops) >= len(self.members(k[0])) and done(ops.values())]
+        for k in old:
+            del self.collectives[k]
+        pairs = [k for k, pair in self.p2p.items() if done(pair)]
+        for k in pairs:
+            del self.p2p[k]
+        return len(old) + len(pairs)
+
     def stage(self, rank: int) -> int | None:
         """The rank's pipeline stage (its ``pp`` coordinate), when a mesh said."""
         dims = self.mesh.get(rank, {})

@@ -75,6 +75,8 @@ said one may come (torchrun's ``TORCHELASTIC_MAX_RESTARTS`` above ``TORCHELASTIC
 STALL_RECORD_GRACE_S = 2.0
 """How long past a span's threshold to wait for its watchdog's ``stall`` record (it looks every second)."""
 PY_SPY_TIMEOUT_S = 10.0
+PRUNE_EVERY_OPS = 200_000
+"""A live comm graph drops what it needs no more (:meth:`CommGraph.prune`) each time this many more ops came."""
 FR_POLL_S = 5.0
 """How often the Flight Recorder dump directory is looked at for new or changed dumps."""
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -341,6 +343,7 @@ class LiveRun:
         self._fr_seen: tuple[Any, ...] | None = None
         self._fr_next = 0.0
         self._fr_data: tuple[list[CommOp], list[Group]] = ([], [])
+        self._pruned: dict[tuple[str, int], int] = {}  # graph.ops at each graph's last prune
         self.stacks = stacks
         self.probe = probe if probe is not None else HostProbe()
         self.clock = clock
@@ -389,6 +392,13 @@ class LiveRun:
                 for group in self._fr_data[1]:
                     graph.add_group(group, replace=False)
             self._comm_rows[key] = feed_process(graph, state, self._comm_rows.get(key, 0))
+        for (source, attempt), graph in self.graphs.items():
+            if graph.ops - self._pruned.get((source, attempt), 0) >= PRUNE_EVERY_OPS:
+                self._pruned[(source, attempt)] = graph.ops
+                steps = [lp.state.final_step for lp in self.procs.values()
+                         if (lp.state.source, lp.state.attempt) == (source, attempt) and lp.state.final_step is not None]
+                if steps:  # kept: the recent steps the straggler rule looks at, and all that is open
+                    graph.prune(min(steps) - RECENT_STEPS - 1)
         dumps = self._dumps_changed(now)
         return dumps or sum(len(g.desynced) for g in self.graphs.values()) != desyncs
 
