@@ -538,3 +538,62 @@ def test_a_dump_shows_a_rank_waiting_outside_any_span(tmp_path: Path) -> None:
     found = summarize(tmp_path)["findings"]
     assert _kinds(found) == [("hang", 1)], found
     assert (found[0]["comm"]["waiting"], found[0]["comm"]["seq"], found[0]["phase"]) == ([0], 8, FORWARD)
+
+
+def _skipped_metric(tmp_path: Path, timeout: bool) -> None:
+    """Rank 1 skips the metric all_reduce (group 1) of step 3 and waits in step 4's all_reduce of group
+    0, which rank 0 never reaches: rank 0 waits in the metric one. Each waits for the other (a cycle);
+    ``timeout``: both ops then fail with gloo's timeout and the processes shut down."""
+    procs = _procs(2)
+    declare(procs)
+    declare(procs, "1", "metrics")
+    for s in range(3):
+        dp_steps(procs, range(s, s + 1), seq0=s)
+        for p in procs:
+            p.set_step(s)
+        collective(procs, "all_reduce", "1", s)
+    dp_steps(procs, range(3, 4), seq0=3)
+    procs[0].set_step(3)
+    open_op(procs[0], "all_reduce", "1", 3)
+    procs[1].set_step(4)
+    procs[1].start(STEP)
+    procs[1].start(BACKWARD)
+    open_op(procs[1], "all_reduce", "0", 4)
+    if timeout:
+        err = {"type": "RuntimeError", "message": "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete"}
+        for p in procs:
+            p.advance(15_000)
+            while p._stack:
+                p.end(schema.STATUS_ERROR, err)
+            p.instant(schema.INSTANT_PROCESS_END)
+    write_run(tmp_path, procs)
+
+
+def test_a_skipped_collective_is_named_though_each_rank_waits_for_the_other(tmp_path: Path) -> None:
+    _skipped_metric(tmp_path, timeout=False)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("hang", 1)], found
+    assert {k: found[0]["comm"][k] for k in ("group", "seq", "waiting", "missing")} == {
+        "group": "1", "seq": 3, "waiting": [0], "missing": [1]}
+    assert found[0]["message"].endswith("rank 1 went on and waits in all_reduce #4 of group 0 at step 4")
+
+
+def test_after_the_timeout_the_skipper_is_named_not_the_first_to_fail(tmp_path: Path) -> None:
+    _skipped_metric(tmp_path, timeout=True)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("hang", 1)], found  # the timeouts are explained: no error findings
+    assert found[0]["comm"]["seq"] == 3 and found[0]["comm"]["missing"] == [1]
+    assert "rank 0 waited in it from " in found[0]["message"] and "until it failed" in found[0]["message"]
+    assert summarize_fast(tmp_path)["findings"] == found
+
+
+def test_ranks_waiting_for_each_other_at_the_same_step_are_a_deadlock(tmp_path: Path) -> None:
+    procs = _procs(2)
+    for p in procs:
+        p.set_step(0)
+        p.start(STEP)
+        open_op(p, "recv", "0", 0, peer=1 - p.rank)  # both receive first: neither sends
+    write_run(tmp_path, procs)
+    found = summarize(tmp_path)["findings"]
+    assert [(f["kind"], f["rank"]) for f in found] == [("hang", None)]
+    assert "wait for each other in communication" in found[0]["message"] and found[0]["comm"]["waiting"] == [0, 1]

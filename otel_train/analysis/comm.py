@@ -420,26 +420,38 @@ def wait_chains(graph: CommGraph, waits: dict[int, list[CommOp]]) -> dict[int, l
     A rank waiting in an op waits for that op's :meth:`~CommGraph.blockers`; a blocker that itself
     waits in communication passes the wait on; the chain ends at a rank that is not waiting in any
     op (it stopped elsewhere, ended, died, or wrote nothing): that one is the culprit. Ranks that
-    wait for each other only (a cycle) name no culprit here.
+    wait for each other (a cycle: one skipped an op the others wait in, went on, and waits in a
+    later one they never reach) name the one that went furthest: the rank whose waiting op is at
+    the highest step, when exactly one is; none when they are level (a schedule that deadlocks).
     """
     direct: dict[int, list[tuple[int, CommOp]]] = {}  # blocker -> (waiter, op) links
     for rank, ops in waits.items():
         for op in ops:
             for b in graph.blockers(op):
                 direct.setdefault(b, []).append((rank, op))
-    culprits: dict[int, list[tuple[int, CommOp]]] = {}
-    for blocker in direct:
-        if blocker in waits:
-            continue
-        links, seen, todo = [], {blocker}, [blocker]
-        while todo:
-            for waiter, op in direct.get(todo.pop(), []):
-                links.append((waiter, op))
-                if waiter not in seen:
-                    seen.add(waiter)
-                    todo.append(waiter)
-        culprits[blocker] = links
+    culprits = {b: _links_to(b, direct) for b in direct if b not in waits}
+    reached = set(culprits) | {w for links in culprits.values() for w, _ in links}
+    cycle = {r: max(-1 if op.step is None else op.step for op in waits[r]) for r in direct if r not in reached}
+    if cycle:
+        top = max(cycle.values())
+        ahead = [r for r, step in cycle.items() if step == top]
+        if len(ahead) == 1 and top > min(cycle.values()):
+            culprits[ahead[0]] = _links_to(ahead[0], direct)
     return culprits
+
+
+def _links_to(culprit: int, direct: dict[int, list[tuple[int, CommOp]]]) -> list[tuple[int, CommOp]]:
+    """Every (waiter, op) link that leads to ``culprit``, directly or through other waiters."""
+    links, seen, todo = [], {culprit}, [culprit]
+    while todo:
+        for waiter, op in direct.get(todo.pop(), []):
+            if waiter == culprit:
+                continue
+            links.append((waiter, op))
+            if waiter not in seen:
+                seen.add(waiter)
+                todo.append(waiter)
+    return links
 
 
 def rank_ranges(ranks: Iterable[int]) -> str:

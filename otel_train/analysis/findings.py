@@ -124,10 +124,13 @@ def findings(
         graph = graphs.get((group[0].source, group[0].attempt))
         graph = graph if graph is not None and graph.ops else None
         culprits, stop_found = _stop_findings(group, order, alive, running, graph)
+        explained: set[str] = set()
+        if graph is not None and not stop_found and not culprits:
+            culprits, stop_found, explained = _comm_failure_findings(group, graph)
         out.extend(stop_found)
         if graph is not None:
             out.extend(desync_findings(group, graph))
-        errors.extend(_error_findings(group, culprits))
+        errors.extend(_error_findings(group, culprits, explained))
         if stragglers:
             slow.extend(straggler_findings(group, run.phase_order(), graph=graph))
     return out + errors + slow + _restart_findings(run)
@@ -296,7 +299,8 @@ def _first_error(
     return None if first is None else (first[2], first[3])
 
 
-def _error_findings(group: list[ProcessState], culprits: list[ProcessState]) -> list[dict[str, Any]]:
+def _error_findings(group: list[ProcessState], culprits: list[ProcessState], explained: Collection[str] = ()
+                    ) -> list[dict[str, Any]]:
     """One finding per (rank, innermost failing span, exception type), culprits only.
 
     Dropped as victims: a rank's errors after a hang/crash culprit stopped, and collective failures
@@ -306,7 +310,7 @@ def _error_findings(group: list[ProcessState], culprits: list[ProcessState]) -> 
     stop_ts = min(
         ((c.innermost.start_ts if c.innermost else c.last_ts) or 0.0 for c in culprits), default=None
     )
-    errors = {id(d): _innermost_errors(d) for d in group}
+    errors = {id(d): [e for e in _innermost_errors(d) if e.span_id not in explained] for d in group}
     first = _first_error(errors, group)
     victims: list[tuple[ProcessState, ErrorSpan]] = []
     out = []
@@ -527,7 +531,7 @@ def _comm_stop_findings(
     for c in sorted(chains):
         d = by_rank.get(c)
         crashed = d is not None and dead(d) and (len(group) == 1 or any(not dead(p) for p in group if p is not d))
-        found.append(_comm_hang(c, d, group[0].attempt, chains[c], graph, crashed))
+        found.append(_comm_hang(c, d, group[0].attempt, chains[c], graph, crashed, waits.get(c, ())))
         if d is not None:
             culprits.append(d)
     found += [_died_outside(d, stopped) for d in died_outside if d.rank not in chains]
@@ -535,8 +539,9 @@ def _comm_stop_findings(
 
 
 def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[int, CommOp]],
-               graph: CommGraph, crashed: bool) -> dict[str, Any]:
-    """The finding of a rank that never issued its part of the op its peers wait in."""
+               graph: CommGraph, crashed: bool, own: Sequence[CommOp] = ()) -> dict[str, Any]:
+    """The finding of a rank that never issued its part of the op its peers wait in (``own``: the
+    ops the culprit itself went on to wait in)."""
     direct = [(w, op) for w, op in links if c in graph.blockers(op)]
     keys = [(op.group, op.seq, op.p2p) for _, op in direct]
     key = max(set(keys), key=lambda k: (keys.count(k), -k[1]))
@@ -553,7 +558,7 @@ def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[i
     comm = {"group": op.group, "seq": op.seq, "op": op.op, "waiting": waiting, "missing": missing, "ops": ops}
     if op.peer is not None:
         comm["peer"] = c
-    message = _comm_hang_message(c, d, op, there, waiting, graph, crashed)
+    message = _comm_hang_message(c, d, op, there, waiting, graph, crashed, own)
     step, phase = _where(d) if d is not None else (None, None)
     stacks = stall_stacks(d) if d is not None else None
     out = _finding(CRASH if crashed else HANG, d, step, phase, message, victims=waiting, comm=comm,
@@ -563,21 +568,27 @@ def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[i
 
 
 def _comm_hang_message(c: int, d: ProcessState | None, op: CommOp, there: list[int], waiting: list[int],
-                       graph: CommGraph, crashed: bool) -> str:
+                       graph: CommGraph, crashed: bool, own: Sequence[CommOp] = ()) -> str:
     since = _hms(op.start)
     stage = graph.stage(c)
     who = f"rank {c}" + (f" (pp stage {stage})" if stage is not None else "")
+    when = f"since {since}" if op.waiting else f"from {since} until it failed"
     if op.p2p:
         w = there[0]
         verb, prep = ("sent to", "from") if op.op == "recv" else ("received from", "to")
-        text = f"{who} never {verb} rank {w}, which waits in {op.op} #{op.seq} {prep} {c} since {since}"
+        text = (f"{who} never {verb} rank {w}, which {'waits' if op.waiting else 'waited'} in {op.op} #{op.seq} "
+                f"{prep} {c} {when}")
     else:
         desc = graph.desc(op.group)
         text = (f"{who} never issued {op.op} #{op.seq} of group {op.group}{f' ({desc})' if desc else ''}; "
-                f"{_ranks_word(there)} in it since {since}")
+                f"{_ranks_word(there) if op.waiting else _ranks_word(there, 'waited', 'waited')} in it {when}")
     later = [w for w in waiting if w not in there]
     if later:
         text += f"; {_ranks_word(later, 'waits on', 'wait on')} those in turn"
+    if own:
+        mine = own[0]
+        return text + (f"; rank {c} went on and {'waits' if mine.waiting else 'failed'} in {mine.op} #{mine.seq} "
+                       f"of group {mine.group} at step {mine.step}")
     return text + _culprit_state(c, d, crashed)
 
 
@@ -591,6 +602,29 @@ def _culprit_state(c: int, d: ProcessState | None, crashed: bool) -> str:
     if d.ended_cleanly:
         return f"; rank {c} shut down after step {step}"
     return f"; rank {c} {'died' if crashed else 'stopped'} outside any span after step {step} (last record: {d.last_event})"
+
+
+def _comm_failure_findings(group: list[ProcessState], graph: CommGraph
+                           ) -> tuple[list[ProcessState], list[dict[str, Any]], set[str]]:
+    """After a collective timeout (and no rank raised an error of its own): comm ops that failed with a
+    collective error (a peer never came) are followed like waits; a culprit found is a ``hang`` and the failures on the way are explained
+    (not error findings), as are failures at a desynced seq. Returns (culprits, findings, span ids)."""
+    by_rank = {d.rank: d for d in group}
+    errors = [e for d in group for e in _innermost_errors(d)]
+    if any(not is_collective_failure(e.error_type, e.message) for e in errors):
+        return [], [], set()  # a rank raised its own error: the error rule names it, its peers' failures follow
+    failures = {e.span_id for e in errors}
+    failed: dict[int, list[CommOp]] = {}
+    for op in graph.all_ops():
+        if op.state == schema.STATUS_ERROR and op.span_id in failures:
+            failed.setdefault(op.rank, []).append(op)
+    explained = {op.span_id for ops in failed.values() for op in ops if graph.desynced.get(op.group) == op.seq}
+    chains = wait_chains(graph, failed) if failed else {}
+    found = [_comm_hang(c, by_rank.get(c), group[0].attempt, links, graph, False, failed.get(c, ()))
+             for c, links in sorted(chains.items())]
+    for c, links in chains.items():
+        explained |= {op.span_id for _, op in links} | {op.span_id for op in failed.get(c, ())}
+    return [by_rank[c] for c in sorted(chains) if c in by_rank], found, {s for s in explained if s}
 
 
 def _all_waiting(attempt: int, waits: dict[int, list[CommOp]], graph: CommGraph) -> dict[str, Any]:
