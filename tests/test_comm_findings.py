@@ -597,3 +597,34 @@ def test_ranks_waiting_for_each_other_at_the_same_step_are_a_deadlock(tmp_path: 
     found = summarize(tmp_path)["findings"]
     assert [(f["kind"], f["rank"]) for f in found] == [("hang", None)]
     assert "wait for each other in communication" in found[0]["message"] and found[0]["comm"]["waiting"] == [0, 1]
+
+
+def test_failures_after_a_desync_are_explained_by_it(tmp_path: Path) -> None:
+    # As gloo does it: rank 1 all-reduces 8 B where rank 0 does 16 B; rank 0's op fails, rank 1's
+    # returns, and rank 1 then times out in the next step's all_reduce that rank 0 never reaches.
+    err = {"type": "RuntimeError", "message": "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv operation to complete"}
+    procs = _procs(2)
+    declare(procs)
+    declare(procs, "1", "metrics")
+    dp_steps(procs, range(3))
+    for p in procs:
+        p.set_step(3)
+        p.start(STEP)
+        open_op(p, "all_reduce", "1", 0, nbytes=8 if p.rank == 1 else 16)
+        p.advance(5)
+    procs[0].end(schema.STATUS_ERROR, err)
+    procs[0].end(schema.STATUS_ERROR, err)
+    procs[1].end()
+    procs[1].end()
+    procs[1].set_step(4)
+    procs[1].start(STEP)
+    open_op(procs[1], "all_reduce", "0", 3)
+    procs[1].advance(15_000)
+    procs[1].end(schema.STATUS_ERROR, err)
+    procs[1].end(schema.STATUS_ERROR, err)
+    for p in procs:
+        p.instant(schema.INSTANT_PROCESS_END)
+    write_run(tmp_path, procs)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("desync", 1)], found
+    assert found[0]["message"] == "group 1 (metrics) seq 0: rank 0 all_reduce 16 B float32, rank 1 all_reduce 8 B float32"

@@ -618,7 +618,12 @@ def _comm_failure_findings(group: list[ProcessState], graph: CommGraph
     for op in graph.all_ops():
         if op.state == schema.STATUS_ERROR and op.span_id in failures:
             failed.setdefault(op.rank, []).append(op)
-    explained = {op.span_id for ops in failed.values() for op in ops if graph.desynced.get(op.group) == op.seq}
+    # A desync explains the failures at its seq and those from its step on (a peer went away after it).
+    desync_steps = [op.step for g, seq in graph.desynced.items() for op in graph.collectives.get((g, seq), {}).values()
+                    if op.step is not None]
+    since = min(desync_steps) if desync_steps else None
+    explained = {op.span_id for ops in failed.values() for op in ops if graph.desynced.get(op.group) == op.seq
+                 or (since is not None and op.step is not None and op.step >= since)}
     chains = wait_chains(graph, failed) if failed else {}
     found = [_comm_hang(c, by_rank.get(c), group[0].attempt, links, graph, False, failed.get(c, ()))
              for c, links in sorted(chains.items())]
