@@ -54,6 +54,7 @@ def env(**extra: str) -> dict[str, str]:
 @contextmanager
 def job(path: Path, *args: str, **extra_env: str) -> Iterator[subprocess.Popen[bytes]]:
     """A 4-rank torchrun job writing to ``path``, in a session of its own (killed whole on the way out)."""
+    kill_ranks(path)  # a rank left over from an interrupted demo would write into this run
     shutil.rmtree(path, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     log = open(path.parent / f"{path.name}.log", "wb")  # noqa: SIM115 - closed below
@@ -66,7 +67,20 @@ def job(path: Path, *args: str, **extra_env: str) -> Iterator[subprocess.Popen[b
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        kill_ranks(path)
         log.close()
+
+
+def kill_ranks(path: Path) -> None:
+    """Kill every rank of the job still alive: torchrun starts each rank in a session of its own, so
+    killing its process group leaves a hung rank behind (it would write into the next demo's run)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            if proc.name.isdigit() and str(path).encode() in args:
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
 
 def cli_json(*args: str) -> Any:
