@@ -59,6 +59,9 @@ SPECS: dict[str, Spec] = {
 """Every wrapped function of ``torch.distributed`` (``batch_isend_irecv`` calls isend/irecv: see below)."""
 
 _DTYPES: dict[Any, str] = {}
+PENDING: dict[int, Note] = {}
+"""id(Work) -> the note of an async op whose Work has no future (gloo send/recv); the note holds the Work,
+so the id stays its own until the note ends (at ``wait()``, or when the recorder sees it completed)."""
 
 
 def dtype_name(dtype: Any) -> str:
@@ -148,7 +151,8 @@ class NoteMaker:
                 return
             except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
                 self._no_future.add(spec.op)
-        note.work = work  # the recorder polls is_completed()
+        note.work = work  # ended by Work.wait() returning (see WaitPatch), else the recorder polls is_completed()
+        PENDING[id(work)] = note
 
     def fail(self, note: Note, exc: BaseException) -> None:
         note.error = f"{type(exc).__name__}: {_report.safe_str(exc, 200)}"
@@ -247,12 +251,58 @@ def _wrap_destroy(original: Callable[..., Any], flush: Callable[[], None]) -> Ca
     return destroy_process_group
 
 
+class WaitPatch:
+    """``Work.wait``, wrapped: an op without a future ends for this rank when its wait returns (the host's
+    view: the data arrived or the send left), not at the recorder's next look."""
+
+    def __init__(self) -> None:
+        self._installed: tuple[Any, Any, Any] | None = None
+
+    def install(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        work_type = c10d.Work
+        original = work_type.__dict__.get("wait")
+        if original is None or hasattr(original, ORIGINAL_ATTR):
+            return
+        pending = PENDING
+
+        def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not pending:
+                return original(self, *args, **kwargs)
+            try:
+                result = original(self, *args, **kwargs)
+            except BaseException as exc:
+                note = pending.pop(id(self), None)
+                if note is not None:
+                    note.error = f"{type(exc).__name__}: {_report.safe_str(exc, 200)}"
+                    note.done()
+                raise
+            note = pending.pop(id(self), None)
+            if note is not None:
+                note.done()
+            return result
+
+        functools.update_wrapper(wait, original)
+        setattr(wait, ORIGINAL_ATTR, original)
+        work_type.wait = wait
+        self._installed = (work_type, original, wait)
+
+    def remove(self) -> None:
+        if self._installed is not None:
+            work_type, original, wait = self._installed
+            if work_type.__dict__.get("wait") is wait:
+                work_type.wait = original
+            self._installed = None
+
+
 class Patches:
     """The installed wrappers; ``remove()`` restores every original that a wrapper of ours still replaces."""
 
     def __init__(self, maker: NoteMaker, before_destroy: Callable[[], None] | None = None) -> None:
         self.maker = maker
         self.before_destroy = before_destroy  # the recorder's flush: groups and their buffer go with destroy
+        self._wait = WaitPatch()
         self._installed: list[tuple[Any, str, Any, Any]] = []  # (module, name, original, wrapper)
 
     def install(self) -> list[str]:
@@ -277,10 +327,15 @@ class Patches:
                 if getattr(module, name, None) is original:
                     setattr(module, name, wrapper)
                     self._installed.append((module, name, original, wrapper))
+        try:
+            self._wait.install()
+        except Exception as exc:  # noqa: BLE001 - a torch whose Work cannot take it: polling still ends them
+            _report.report_exception("wrapping Work.wait (send/recv end at the recorder's next look)", exc)
         return sorted(wrappers)
 
     def remove(self) -> None:
         self.maker.active = False
+        self._wait.remove()
         for module, name, original, wrapper in reversed(self._installed):
             if getattr(module, name, None) is wrapper:
                 setattr(module, name, original)

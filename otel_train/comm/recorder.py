@@ -34,6 +34,7 @@ from otel_train import schema as S
 from otel_train.comm import flight_recorder as fr
 from otel_train.comm.groups import GroupState, GroupTable
 from otel_train.comm.notes import Note, NoteQueue
+from otel_train.comm.patch import PENDING
 from otel_train.exporters.jsonl.processor import on_behalf
 
 POLL_S = 0.2
@@ -182,7 +183,9 @@ class Recorder:
         except Exception:  # noqa: BLE001 - a Work that cannot say: end it now
             done = True
         if done:
-            note.done()
+            PENDING.pop(id(work), None)
+            if not note.end_ns:
+                note.done()
         return done
 
     @staticmethod
