@@ -628,3 +628,33 @@ def test_failures_after_a_desync_are_explained_by_it(tmp_path: Path) -> None:
     found = summarize(tmp_path)["findings"]
     assert _kinds(found) == [("desync", 1)], found
     assert found[0]["message"] == "group 1 (metrics) seq 0: rank 0 all_reduce 16 B float32, rank 1 all_reduce 8 B float32"
+
+
+def test_an_async_send_left_open_whose_recv_finished_is_no_wait(tmp_path: Path) -> None:
+    # As torch.distributed.pipelining does it (batch_isend_irecv): stage 0 (rank 1) posts send #2 and
+    # stops in forward before waiting for it; rank 3 received #2 and waits in recv #3, which rank 1
+    # never sent; rank 0 waits in the dp all_reduce rank 1 never issued.
+    procs = _procs(4)
+    for p in procs:
+        p.instant(schema.INSTANT_MESH, dims={"pp": 2, "dp": 2}, coords={"pp": p.rank // 2, "dp": p.rank % 2})
+    declare(procs, "dp0", "dp", ranks=[0, 1])
+    declare(procs, "pp1", "pp", ranks=[1, 3])
+    for p in procs:
+        p.set_step(0)
+        p.start(STEP)
+    open_op(procs[1], "send", "pp1", 2, peer=3)
+    procs[1].start(FORWARD)
+    procs[3].start(schema.comm_span_name("recv"), **comm_attrs("pp1", 2, peer=1))
+    procs[3].advance(1)
+    procs[3].end()
+    open_op(procs[3], "recv", "pp1", 3, peer=1)
+    open_op(procs[0], "all_reduce", "dp0", 0)
+    procs[2].start(FORWARD)  # not in the story: busy elsewhere
+    write_run(tmp_path, procs)
+    graph = build_graph(load_run(tmp_path))
+    assert sorted(graph.waiting()) == [0, 3]  # rank 1's send is done: its recv finished
+    found = [f for f in summarize(tmp_path)["findings"] if f["kind"] == "hang"]
+    assert [(f["rank"], f["phase"]) for f in found] == [(1, FORWARD)], found
+    assert found[0]["comm"]["waiting"] == [0, 3] and found[0]["comm"]["op"] == "recv"
+    assert found[0]["message"].startswith("rank 1 (pp stage 0) never sent to rank 3, which waits in recv #3 from 1 since ")
+    assert "; rank 0 waits in all_reduce #0 of group dp0 too;" in found[0]["message"]

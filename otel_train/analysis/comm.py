@@ -218,15 +218,23 @@ class CommGraph:
         return [m for m in self.members(op.group) if m != op.rank and not self.issued(m, op.group, op.seq)]
 
     def waiting(self, ranks: Iterable[int] | None = None) -> dict[int, list[CommOp]]:
-        """Rank -> the ops it waits in (of ``ranks``, when given), earliest first."""
+        """Rank -> the ops it waits in (of ``ranks``, when given), earliest first. An op left open
+        whose other side completed (an async op never waited for: an ``isend`` whose recv finished)
+        is done, not waited in."""
         wanted = None if ranks is None else set(ranks)
         out: dict[int, list[CommOp]] = {}
         for op in self.all_ops():
-            if op.waiting and (wanted is None or op.rank in wanted):
+            if op.waiting and (wanted is None or op.rank in wanted) and not self._done_elsewhere(op):
                 out.setdefault(op.rank, []).append(op)
         for ops in out.values():
             ops.sort(key=lambda o: o.start or 0.0)
         return out
+
+    def _done_elsewhere(self, op: CommOp) -> bool:
+        others = [self.counterpart(op)] if op.p2p else [o for r, o in self.collectives.get((op.group, op.seq), {}).items()
+                                                        if r != op.rank]
+        return any(o is not None and not o.waiting and o.state not in (schema.STATUS_ERROR, schema.STATUS_INCOMPLETE)
+                   for o in others)
 
     def all_ops(self) -> Iterator[CommOp]:
         """Every op, collectives first."""

@@ -123,10 +123,7 @@ def findings(
     for group in run.groups():
         graph = graphs.get((group[0].source, group[0].attempt))
         graph = graph if graph is not None and graph.ops else None
-        culprits, stop_found = _stop_findings(group, order, alive, running, graph)
-        explained: set[str] = set()
-        if graph is not None and not stop_found and not culprits:
-            culprits, stop_found, explained = _comm_failure_findings(group, graph)
+        culprits, stop_found, explained = _stop_findings(group, order, alive, running, graph)
         out.extend(stop_found)
         if graph is not None:
             out.extend(desync_findings(group, graph))
@@ -162,8 +159,9 @@ def _position(d: ProcessState, order: dict[str, int]) -> tuple[int, float]:
 def _stop_findings(
     group: list[ProcessState], order: dict[str, int], alive: Collection[ProcessState] = (),
     running: Collection[ProcessState] = (), graph: CommGraph | None = None,
-) -> tuple[list[ProcessState], list[dict[str, Any]]]:
-    """Hang and crash findings of one group; returns (culprits, findings)."""
+) -> tuple[list[ProcessState], list[dict[str, Any]], set[str]]:
+    """Hang and crash findings of one group; returns (culprits, findings, span ids of the comm ops
+    whose failures they explain)."""
 
     def dead(d: ProcessState) -> bool:
         return not d.ended_cleanly and d not in alive
@@ -181,17 +179,17 @@ def _stop_findings(
         # (e.g. a collective failing once the stuck rank was killed).
         first_stop = min(d.innermost.start_ts for d in stopped)  # type: ignore[union-attr]
         died_outside = [d for d in died_outside if (d.last_ts or 0.0) <= first_stop]
-    if (stopped or inside) and graph is not None:
+    if graph is not None:
         decided = _comm_stop_findings(group, stopped + inside, others, died_outside, graph, dead)
         if decided is not None:
             return decided
     found = [_died_outside(d, stopped) for d in died_outside]
     culprits = list(died_outside)
     if not stopped or died_outside:
-        return culprits, found  # stopped ranks, if any, were waiting for the crashed one
+        return culprits, found, set()  # stopped ranks, if any, were waiting for the crashed one
     failed = _fatal_error_before(stopped, others)
     if failed is not None:
-        return [failed], found  # the launcher stopped the peers after this rank raised: victims
+        return [failed], found, set()  # the launcher stopped the peers after this rank raised: victims
     pos = {id(d): _position(d, order) for d in stopped}
     lowest = min(pos.values())
     behind = [d for d in stopped if pos[id(d)] == lowest]
@@ -202,12 +200,12 @@ def _stop_findings(
             behind, ahead = gone, [d for d in stopped if not dead(d)]
         elif len(stopped) > 1:
             found.append(_all_stopped(stopped))
-            return culprits, found
+            return culprits, found, set()
     for d in behind:
         crashed = dead(d) and (len(group) == 1 or any(not dead(p) for p in group if p is not d))
         found.append(_stopped_inside(d, crashed, ahead, others))
         culprits.append(d)
-    return culprits, found
+    return culprits, found, set()
 
 
 def _died_outside(d: ProcessState, stopped: list[ProcessState]) -> dict[str, Any]:
@@ -510,32 +508,58 @@ def _ranks_word(ranks: Collection[int], singular: str = "waits", plural: str = "
 def _comm_stop_findings(
     group: list[ProcessState], stopped: list[ProcessState], others: list[ProcessState],
     died_outside: list[ProcessState], graph: CommGraph, dead: Callable[[ProcessState], bool],
-) -> tuple[list[ProcessState], list[dict[str, Any]]] | None:
-    """Hang (or crash) findings from the ops the stopped ranks wait in; None when none waits in one."""
-    waits = graph.waiting(d.rank for d in stopped)
+) -> tuple[list[ProcessState], list[dict[str, Any]], set[str]] | None:
+    """Hang (or crash) findings from the ops the stopped ranks wait in and the ops that failed with a
+    collective error (waited until a timeout); None when there are none, or only failures that name
+    no culprit (the error rule decides)."""
+    open_waits = graph.waiting(d.rank for d in stopped)
+    failed, explained = _failed_ops(group, graph)
+    waits = {r: list(ops) for r, ops in open_waits.items()}
+    for r, ops in failed.items():
+        waits.setdefault(r, []).extend(ops)
     if not waits:
         return None
     by_rank = {d.rank: d for d in group}
-    failed = None if died_outside else _fatal_error_before(stopped, others)
+    fatal = None if died_outside else _fatal_error_before(stopped, others)
     chains = wait_chains(graph, waits)
-    if failed is not None and (not chains or failed.rank in chains):
-        return [failed], []  # it raised, the launcher stopped the others: its error finding names it
+    if fatal is not None and (not chains or fatal.rank in chains):
+        return [fatal], [], set()  # it raised, the launcher stopped the others: its error finding names it
     chains = {c: links for c, links in chains.items()
               if not all(graph.desynced.get(op.group) == op.seq for _, op in links)}
     if not chains:
-        desynced = [d for d in stopped if any(graph.desynced.get(op.group) == op.seq for op in waits.get(d.rank, ()))]
-        if desynced:
-            return _desync_culprits(group, graph), []  # the desync finding names the culprit
-        return [], [_all_waiting(group[0].attempt, waits, graph)]
+        if any(graph.desynced.get(op.group) == op.seq for ops in waits.values() for op in ops):
+            return _desync_culprits(group, graph), [], explained  # the desync finding names the culprit
+        return ([], [_all_waiting(group[0].attempt, open_waits, graph)], set()) if open_waits else None
     found, culprits = [], []
     for c in sorted(chains):
         d = by_rank.get(c)
         crashed = d is not None and dead(d) and (len(group) == 1 or any(not dead(p) for p in group if p is not d))
         found.append(_comm_hang(c, d, group[0].attempt, chains[c], graph, crashed, waits.get(c, ())))
+        explained |= {op.span_id for _, op in chains[c] if op.span_id} | {op.span_id for op in failed.get(c, ()) if op.span_id}
         if d is not None:
             culprits.append(d)
     found += [_died_outside(d, stopped) for d in died_outside if d.rank not in chains]
-    return culprits + [d for d in died_outside if d.rank not in chains], found
+    return culprits + [d for d in died_outside if d.rank not in chains], found, explained
+
+
+def _failed_ops(group: list[ProcessState], graph: CommGraph) -> tuple[dict[int, list[CommOp]], set[str]]:
+    """The comm ops that failed with a collective error (a peer never came: a timeout), by rank, and
+    the span ids a desync explains (its seq's, and those from its step on: a peer went away after
+    it); none when a rank raised an error of its own (the error rule names it, its peers' failures follow)."""
+    errors = [e for d in group for e in _innermost_errors(d)]
+    if not errors or any(not is_collective_failure(e.error_type, e.message) for e in errors):
+        return {}, set()
+    failures = {e.span_id for e in errors}
+    failed: dict[int, list[CommOp]] = {}
+    for op in graph.all_ops():
+        if op.state == schema.STATUS_ERROR and op.span_id in failures:
+            failed.setdefault(op.rank, []).append(op)
+    desync_steps = [op.step for g, seq in graph.desynced.items() for op in graph.collectives.get((g, seq), {}).values()
+                    if op.step is not None]
+    since = min(desync_steps) if desync_steps else None
+    explained = {op.span_id for ops in failed.values() for op in ops if op.span_id and (
+        graph.desynced.get(op.group) == op.seq or (since is not None and op.step is not None and op.step >= since))}
+    return failed, explained
 
 
 def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[int, CommOp]],
@@ -543,12 +567,16 @@ def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[i
     """The finding of a rank that never issued its part of the op its peers wait in (``own``: the
     ops the culprit itself went on to wait in)."""
     direct = [(w, op) for w, op in links if c in graph.blockers(op)]
-    keys = [(op.group, op.seq, op.p2p) for _, op in direct]
-    key = max(set(keys), key=lambda k: (keys.count(k), -k[1]))
-    first = [(w, op) for w, op in direct if (op.group, op.seq, op.p2p) == key]
+    by_key: dict[tuple[Any, ...], list[tuple[int, CommOp]]] = {}
+    for w, o in direct:
+        by_key.setdefault(o.pair if o.p2p else (o.group, o.seq), []).append((w, o))
+    # The op most of its direct waiters wait in; a send/recv (a stage's neighbour) before a collective.
+    key = min(by_key, key=lambda k: (-len(by_key[k]), len(k) != 3, by_key[k][0][1].seq))
+    first = by_key[key]
     op = min((o for _, o in first), key=lambda o: o.start or 0.0)
     waiting = sorted({w for w, _ in links})
     there = sorted({w for w, _ in first})
+    also = [min(ws, key=lambda wo: wo[0]) for k, ws in sorted(by_key.items(), key=lambda kv: str(kv[0])) if k != key]
     if op.p2p:
         ops = {str(w): o.op for w, o in first}
         missing = [c]
@@ -558,7 +586,7 @@ def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[i
     comm = {"group": op.group, "seq": op.seq, "op": op.op, "waiting": waiting, "missing": missing, "ops": ops}
     if op.peer is not None:
         comm["peer"] = c
-    message = _comm_hang_message(c, d, op, there, waiting, graph, crashed, own)
+    message = _comm_hang_message(c, d, op, there, waiting, graph, crashed, own, also)
     step, phase = _where(d) if d is not None else (None, None)
     stacks = stall_stacks(d) if d is not None else None
     out = _finding(CRASH if crashed else HANG, d, step, phase, message, victims=waiting, comm=comm,
@@ -568,7 +596,8 @@ def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[i
 
 
 def _comm_hang_message(c: int, d: ProcessState | None, op: CommOp, there: list[int], waiting: list[int],
-                       graph: CommGraph, crashed: bool, own: Sequence[CommOp] = ()) -> str:
+                       graph: CommGraph, crashed: bool, own: Sequence[CommOp] = (),
+                       also: Sequence[tuple[int, CommOp]] = ()) -> str:
     since = _hms(op.start)
     stage = graph.stage(c)
     who = f"rank {c}" + (f" (pp stage {stage})" if stage is not None else "")
@@ -582,7 +611,10 @@ def _comm_hang_message(c: int, d: ProcessState | None, op: CommOp, there: list[i
         desc = graph.desc(op.group)
         text = (f"{who} never issued {op.op} #{op.seq} of group {op.group}{f' ({desc})' if desc else ''}; "
                 f"{_ranks_word(there) if op.waiting else _ranks_word(there, 'waited', 'waited')} in it {when}")
-    later = [w for w in waiting if w not in there]
+    for w, o in also:
+        where = f"{o.op} #{o.seq} {'from' if o.op == 'recv' else 'to'} {c}" if o.p2p else f"{o.op} #{o.seq} of group {o.group}"
+        text += f"; rank {w} {'waits' if o.waiting else 'waited'} in {where} too"
+    later = [w for w in waiting if w not in there and all(w != a for a, _ in also)]
     if later:
         text += f"; {_ranks_word(later, 'waits on', 'wait on')} those in turn"
     if own:
@@ -602,34 +634,6 @@ def _culprit_state(c: int, d: ProcessState | None, crashed: bool) -> str:
     if d.ended_cleanly:
         return f"; rank {c} shut down after step {step}"
     return f"; rank {c} {'died' if crashed else 'stopped'} outside any span after step {step} (last record: {d.last_event})"
-
-
-def _comm_failure_findings(group: list[ProcessState], graph: CommGraph
-                           ) -> tuple[list[ProcessState], list[dict[str, Any]], set[str]]:
-    """After a collective timeout (and no rank raised an error of its own): comm ops that failed with a
-    collective error (a peer never came) are followed like waits; a culprit found is a ``hang`` and the failures on the way are explained
-    (not error findings), as are failures at a desynced seq. Returns (culprits, findings, span ids)."""
-    by_rank = {d.rank: d for d in group}
-    errors = [e for d in group for e in _innermost_errors(d)]
-    if any(not is_collective_failure(e.error_type, e.message) for e in errors):
-        return [], [], set()  # a rank raised its own error: the error rule names it, its peers' failures follow
-    failures = {e.span_id for e in errors}
-    failed: dict[int, list[CommOp]] = {}
-    for op in graph.all_ops():
-        if op.state == schema.STATUS_ERROR and op.span_id in failures:
-            failed.setdefault(op.rank, []).append(op)
-    # A desync explains the failures at its seq and those from its step on (a peer went away after it).
-    desync_steps = [op.step for g, seq in graph.desynced.items() for op in graph.collectives.get((g, seq), {}).values()
-                    if op.step is not None]
-    since = min(desync_steps) if desync_steps else None
-    explained = {op.span_id for ops in failed.values() for op in ops if graph.desynced.get(op.group) == op.seq
-                 or (since is not None and op.step is not None and op.step >= since)}
-    chains = wait_chains(graph, failed) if failed else {}
-    found = [_comm_hang(c, by_rank.get(c), group[0].attempt, links, graph, False, failed.get(c, ()))
-             for c, links in sorted(chains.items())]
-    for c, links in chains.items():
-        explained |= {op.span_id for _, op in links} | {op.span_id for op in failed.get(c, ())}
-    return [by_rank[c] for c in sorted(chains) if c in by_rank], found, {s for s in explained if s}
 
 
 def _all_waiting(attempt: int, waits: dict[int, list[CommOp]], graph: CommGraph) -> dict[str, Any]:
