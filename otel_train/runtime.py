@@ -168,9 +168,11 @@ def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, A
         _install_process_hooks()
         _shutdown_at_multiprocessing_exit()
         _make_comm(rt)
+        _start_comm(rt)  # before process_start, which says what it patched
         _start_lifecycle(rt)
         _start_watchdog(rt)
-        _start_comm(rt)
+        if rt.watchdog is not None and rt.comm is not None:
+            rt.watchdog.on_stall = rt.comm.on_stall
 
 
 def _check_comm(settings: Settings) -> None:
@@ -211,12 +213,11 @@ def _start_comm(rt: _Runtime) -> None:
     comm = rt.comm
     if comm is None:
         return
-    if rt.watchdog is not None:
-        rt.watchdog.on_stall = comm.on_stall
+    rt.undo.append(comm.stop)
     try:
         comm.start()
-    finally:
-        rt.undo.append(comm.stop)
+    except Exception as exc:  # tracing goes on without comm spans; training never hears of it
+        _report.report_exception("starting the comm recorder (no comm.* spans)", exc)
 
 
 def _build(rt: _Runtime) -> None:

@@ -47,7 +47,7 @@ class GroupState:
 
     def next_collective(self) -> tuple[int, int]:
         """(``comm.seq``, Flight Recorder key) of the collective about to be issued."""
-        key = self.counter() + 1
+        key = self.pg._get_sequence_number_for_group() + 1
         return (key - self.p2p if self.op_counts_p2p else key), key
 
     def next_p2p(self, peer: int, send: bool) -> tuple[int, int | None]:

@@ -14,6 +14,7 @@ import functools
 import sys
 import threading
 from dataclasses import dataclass
+from time import time_ns
 from typing import Any, Callable
 
 from otel_train import _report, api
@@ -197,6 +198,7 @@ _inside = _Inside()
 def _wrap(name: str, original: Callable[..., Any], maker: NoteMaker) -> Callable[..., Any]:
     spec = SPECS[name]
     begin, finish, fail, inside = maker.begin, maker.finish, maker.fail, _inside
+    blocking = not spec.always_async
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if inside.busy:
@@ -212,7 +214,10 @@ def _wrap(name: str, original: Callable[..., Any], maker: NoteMaker) -> Callable
             raise
         finally:
             inside.busy = False
-        finish(note, spec, result, args)
+        if result is None and blocking:
+            note.end_ns = time_ns()  # the common case, inline: a blocking call returned
+        else:
+            finish(note, spec, result, args)
         return result
 
     functools.update_wrapper(wrapper, original)
