@@ -658,3 +658,42 @@ def test_an_async_send_left_open_whose_recv_finished_is_no_wait(tmp_path: Path) 
     assert found[0]["comm"]["waiting"] == [0, 3] and found[0]["comm"]["op"] == "recv"
     assert found[0]["message"].startswith("rank 1 (pp stage 0) never sent to rank 3, which waits in recv #3 from 1 since ")
     assert "; rank 0 waits in all_reduce #0 of group dp0 too;" in found[0]["message"]
+
+
+def test_a_slow_pipeline_stage_is_named_not_the_stage_that_waits_for_it(tmp_path: Path) -> None:
+    # 2 stages x 2: rank 1 (stage 0) is 50 ms slower in forward; rank 3 (stage 1, fed by rank 1)
+    # waits for its activations inside pipeline, around a short irecv: its pipeline is 50 ms longer.
+    procs = _procs(4)
+    for p in procs:
+        p.instant(schema.INSTANT_MESH, dims={"pp": 2, "dp": 2}, coords={"pp": p.rank // 2, "dp": p.rank % 2})
+    declare(procs, "pp0", "pp", ranks=[0, 2])
+    declare(procs, "pp1", "pp", ranks=[1, 3])
+    for s in range(30):
+        for p in procs:
+            p.set_step(s)
+            p.start(STEP)
+            p.start("pipeline")
+            stage, peer = p.rank // 2, p.rank + 2 if p.rank < 2 else p.rank - 2
+            if stage == 1:
+                p.advance(10.0 + (50.0 if p.rank == 3 else 0.0))  # waiting for the stage before
+                p.start(schema.comm_span_name("recv"), **comm_attrs(f"pp{p.rank % 2}", s, peer=peer))
+                p.advance(0.1)
+                p.end()
+            p.start(FORWARD)
+            p.advance(10.0 + (50.0 if p.rank == 1 else 0.0))
+            p.end()
+            if stage == 0:
+                p.start(schema.comm_span_name("send"), **comm_attrs(f"pp{p.rank % 2}", s, peer=peer))
+                p.advance(0.1)
+                p.end()
+                p.advance(10.0)
+            p.end()
+            p.end()
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    run = load_run(tmp_path)
+    alone = straggler_findings(run.groups()[0], run.phase_order())  # the phase rule without the comm graph
+    assert (3, "pipeline") in [(f["rank"], f["phase"]) for f in alone]
+    found = summarize(tmp_path)["findings"]
+    assert [(f["kind"], f["rank"], f["phase"]) for f in found] == [("straggler", 1, FORWARD)], found

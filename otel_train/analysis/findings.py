@@ -388,8 +388,31 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
         if name in children:
             lateness += np.nan_to_num(excess)
         out.extend(found)
+    if graph is not None:
+        out = _most_specific(group, out)
     out = _with_costs(group, out, window)
     return _with_arrivals(out, arrival_findings(group, graph, window) if graph is not None else [])
+
+
+def _most_specific(group: Sequence[ProcessState], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """On a run with comm ops: a rank named in a phase and in one of its child phases is named in the
+    child only; a phase that holds the rank's comm ops, whose excess its child phases do not explain
+    (at least half of it), is time spent waiting around those ops (an async op's wait, a recv from a
+    slow stage): not named (a slow rank there arrives last, which the arrival rule sees)."""
+    by_rank = {d.rank: d for d in group}
+    named = {(f["rank"], f["phase"]): f for f in found}
+    out = []
+    for f in found:
+        d = by_rank[f["rank"]]
+        kids = [n for n, parent in d.parents.items() if parent == f["phase"]]
+        if any((f["rank"], k) in named for k in kids):
+            continue
+        holds_comm = any(k.startswith(schema.COMM_PREFIX) for k in kids)
+        explained = sum(named[(f["rank"], k)]["excess_ms"] for k in kids if (f["rank"], k) in named)
+        if holds_comm and explained < 0.5 * f["excess_ms"]:
+            continue
+        out.append(f)
+    return out
 
 
 def _with_arrivals(found: list[dict[str, Any]], arrivals: list[dict[str, Any]]) -> list[dict[str, Any]]:

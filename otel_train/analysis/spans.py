@@ -682,8 +682,8 @@ class Run:
         """Phase names in training-step order: the standard phases first, then others as first seen."""
         order = [STEP, *STEP_PHASES]
         seen = set(order)
-        for d in self.processes:
-            for name in d.phases.keys() | {u.name for u in d.unclosed}:
+        for d in self.processes:  # as first seen (not a set's order: the same answer every time)
+            for name in [*d.phases, *(u.name for u in d.unclosed)]:
                 if name not in seen:
                     seen.add(name)
                     order.append(name)
