@@ -170,7 +170,8 @@ def _stop_findings(
     stopped = [d for d in settled if d.unclosed]
     others = [d for d in settled if not d.unclosed]
     # A Flight Recorder dump may show a rank waiting in an op outside any span (collectives off).
-    waiting = graph.waiting(d.rank for d in others if not d.ended_cleanly) if graph is not None and others else {}
+    maybe = [d.rank for d in others if not d.ended_cleanly]
+    waiting = graph.waiting(maybe) if graph is not None and maybe else {}
     inside = [d for d in others if d.rank in waiting and not d.ended_cleanly]
     others = [d for d in others if d not in inside]
     died_outside = [d for d in others if dead(d)]
@@ -535,7 +536,7 @@ def _comm_stop_findings(
     """Hang (or crash) findings from the ops the stopped ranks wait in and the ops that failed with a
     collective error (waited until a timeout); None when there are none, or only failures that name
     no culprit (the error rule decides)."""
-    open_waits = graph.waiting(d.rank for d in stopped)
+    open_waits = graph.waiting(d.rank for d in stopped) if stopped else {}
     failed, explained = _failed_ops(group, graph)
     waits = {r: list(ops) for r, ops in open_waits.items()}
     for r, ops in failed.items():
