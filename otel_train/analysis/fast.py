@@ -2,7 +2,7 @@
 
 A hang's culprit needs only where each rank stopped: its last step, its last event and the spans it
 was inside. Each process file is read from its end, backwards, in windows that grow (64 KiB, then
-4× at a time) until the window is known to hold all of that (:func:`_complete`), but never past 1/64
+4× at a time) until the window is known to hold all of that (:func:`_complete`), but never past 1/256
 of the process's bytes: then the process is read whole, streamed like a full read (a step-less file, a
 tail of malformed lines or of one huge line), so ``--fast`` never costs more than that. Rotated
 segments are read only when the active one is shorter than the window. The window's records feed a
@@ -45,9 +45,12 @@ from otel_train.analysis.summary import default_fr, process_row, unclosed_rows, 
 
 FIRST_WINDOW = 64 << 10
 """Bytes read from the end of a process's files first (about 150 records)."""
-WINDOW_SHARE_SHIFT = 6
-"""Tail windows grow up to 1/64 of the process's bytes (``total >> 6``); past that the process is read
-whole, streamed (:func:`_whole`), so the windows read before cost at most about 2 % of that read."""
+WINDOW_SHARE_SHIFT = 8
+"""Tail windows grow up to 1/256 of the process's bytes (``total >> 8``: 4 MiB of a 1 GiB file, some
+10,000 records); past that the process is read whole, streamed (:func:`_whole`), so the windows read
+before cost at most about 0.5 % of that read."""
+MIN_LAST_WINDOW = 256 << 10
+"""Windows up to this size are read whatever the file's size (a small file's tail is cheap either way)."""
 FAST_KINDS = (HANG, CRASH, RESTART, DESYNC)
 """The findings ``--fast`` answers (a desync when its seq is in the tails); errors and stragglers need every step."""
 HEAD_RECORDS = 2000
@@ -87,7 +90,7 @@ def tail_state(pf: ProcessFiles, attempt: int, meta: Head | None, bad: BadLines,
     held = {span.span_id for span in digest.open} if digest is not None else set()
     total = pf.size
     while True:
-        if size > total >> WINDOW_SHARE_SHIFT:
+        if size > max(MIN_LAST_WINDOW, total >> WINDOW_SHARE_SHIFT):
             state = records = None  # type: ignore[assignment]  # the last window goes before the whole read
             return _whole(pf, attempt, meta, bad)
         state, records, whole, window_bad = _window(pf, attempt, meta, size)

@@ -386,27 +386,39 @@ class BadLines:
 
     def __init__(self, warn: Warn | None = None, *, collect: bool = False) -> None:
         self.count = 0
-        self.warnings: list[str] = []
+        self.warnings: list[Any] = []  # collected: strings, or _BadLineWarning until absorbed
         # collect=True keeps the warnings for a later absorb() (a read that may be thrown away).
         self.warn = self.warnings.append if collect else (warn or warn_to_stderr)
+        self._collect = collect
         self._warned: set[Path] = set()
 
     def absorb(self, other: BadLines) -> None:
         """Take over the count and the collected warnings of ``other``."""
         self.count += other.count
         for line in other.warnings:
-            self.warn(line)
+            self.warn(str(line))
 
     def report(self, path: Path, line_no: int | Callable[[], int], reason: str) -> None:
         """Count one bad line; warn when it is the first of ``path``."""
         self.count += 1
         if path not in self._warned:
             self._warned.add(path)
-            where = line_no() if callable(line_no) else line_no
-            self.warn(
-                f"warning: {path}:{where}: skipped malformed line ({_one_line(reason)}); "
-                "further bad lines in this file are only counted"
-            )
+            warning = _BadLineWarning(path, line_no, reason)
+            # Collected, its line number (a count of the line breaks before it) waits for absorb():
+            # a read that is thrown away (a --fast window) never pays for it.
+            self.warn(warning if self._collect else str(warning))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class _BadLineWarning:
+    path: Path
+    line_no: int | Callable[[], int]
+    reason: str
+
+    def __str__(self) -> str:
+        where = self.line_no() if callable(self.line_no) else self.line_no
+        return (f"warning: {self.path}:{where}: skipped malformed line ({_one_line(self.reason)}); "
+                "further bad lines in this file are only counted")
 
 
 def _one_line(text: str) -> str:
