@@ -10,6 +10,7 @@ append: no lock, no I/O, no device sync.
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections import deque
 from threading import get_native_id
 from time import time_ns
@@ -20,6 +21,22 @@ MAX_QUEUED = 1 << 16
 must not grow the training process's memory without bound)."""
 
 copy_context = contextvars.copy_context
+
+
+class _ThreadId(threading.local):
+    """This thread's native id, asked of the OS once per thread (``get_native_id`` is a system call)."""
+
+    value: int | None = None
+
+
+_thread_id = _ThreadId()
+
+
+def native_tid() -> int:
+    tid = _thread_id.value
+    if tid is None:
+        tid = _thread_id.value = get_native_id()
+    return tid
 
 
 class Note:
@@ -38,7 +55,8 @@ class Note:
         self.nbytes = nbytes
         self.dtype = dtype
         self.ctx = copy_context()  # the issuing span (OTel context) and step: the span's parent and step
-        self.tid = get_native_id()
+        tid = _thread_id.value
+        self.tid = tid if tid is not None else native_tid()
         self.error: str | None = None
         self.end_ns = 0
         self.work: Any = None  # an async op's Work without a future: the recorder polls is_completed()

@@ -107,6 +107,7 @@ class NoteMaker:
             return None
 
     def _note(self, spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Note | None:
+        # The hot path of every op: a few attribute reads and one object (docs/comm.md, "Cost").
         n = len(args)
         pg = args[spec.group] if n > spec.group else kwargs.get("group")
         if pg is None:
@@ -117,17 +118,23 @@ class NoteMaker:
         nbytes, dtype = 0, None
         if spec.tensor is not None:
             index, name = spec.tensor
-            nbytes, dtype = _tensor_info(args[index] if n > index else kwargs[name])
-        peer = None
-        if spec.peer is not None:
+            value = args[index] if n > index else kwargs[name]
+            if isinstance(value, (list, tuple)):
+                nbytes, dtype = _tensor_info(value)
+            else:
+                nbytes = value.numel() * value.element_size()
+                dtype = _DTYPES.get(value.dtype) or dtype_name(value.dtype)
+        if spec.peer is None:
+            fr_key = state.pg._get_sequence_number_for_group() + 1
+            note = Note(spec.op, state, fr_key - state.p2p if state.op_counts_p2p else fr_key, fr_key, None,
+                        nbytes, dtype)
+        else:
             index, key, group_key = spec.peer
             peer = args[index] if n > index else kwargs.get(key)
             if peer is None and kwargs.get(group_key) is not None:
                 peer = state.ranks[kwargs[group_key]]
             seq, fr_key = state.next_p2p(-1 if peer is None else int(peer), spec.op == "send")
-        else:
-            seq, fr_key = state.next_collective()
-        note = Note(spec.op, state, seq, fr_key, peer, nbytes, dtype)
+            note = Note(spec.op, state, seq, fr_key, peer, nbytes, dtype)
         self._queue.append(note)
         return note
 
