@@ -232,9 +232,11 @@ def test_a_rank_waiting_in_an_op_shows_an_open_comm_span_within_a_second(tmp_pat
     cmd = torchrun_cmd("train_ddp.py", save, 2, "--steps", "8", "--batch-size", "16", "--eval-every", "0",
                        "--checkpoint-every", "0", "--fault", "skip-collective", "--fault-rank", "1",
                        "--fault-step", "3", "--timeout-s", "20")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    # A stall after 1 s (comm.all_reduce has past durations far below it): the watchdog dumps Flight Recorder.
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**job_env(), "OTEL_TRAIN_STALL_MIN_S": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     seen: dict[int, tuple[dict[str, Any], float]] = {}
+    dumps: dict[int, Path] = {}
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and len(seen) < 2 and proc.poll() is None:
@@ -245,6 +247,11 @@ def test_a_rank_waiting_in_an_op_shows_an_open_comm_span_within_a_second(tmp_pat
                         seen[rank] = (waiting[0], time.time())
             time.sleep(0.05)
         alive = proc.poll() is None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(dumps) < 2 and proc.poll() is None:
+            for path in (save / "flight_recorder").glob("stall.*.json"):
+                dumps.setdefault(int(path.name.rsplit("rank_", 1)[1].split(".")[0]), path)
+            time.sleep(0.1)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -257,3 +264,11 @@ def test_a_rank_waiting_in_an_op_shows_an_open_comm_span_within_a_second(tmp_pat
     assert waiting1["attrs"][S.ATTR_COMM_GROUP] != waiting0["attrs"][S.ATTR_COMM_GROUP]  # the world group's
     # In the file about POLL_S (0.2 s) after the rank began waiting; the margin is for a loaded machine.
     assert seen_at0 - waiting0["ts"] < 3.0 and seen_at1 - waiting1["ts"] < 3.0
+    # The stall's Flight Recorder dump, one file per rank, shows the op each waits in as still running.
+    assert sorted(dumps) == [0, 1]
+    for rank, waiting in ((0, waiting0), (1, waiting1)):
+        dump = json.loads(dumps[rank].read_text())
+        assert dump["rank"] == rank and dump["attempt"] == 0 and dump["reason"] == "stall in comm.all_reduce"
+        group, seq = waiting["attrs"][S.ATTR_COMM_GROUP], waiting["attrs"][S.ATTR_COMM_SEQ]
+        entry = next(e for e in dump["entries"] if e["process_group"][0] == group and e["collective_seq_id"] == seq)
+        assert entry["profiling_name"] == "gloo:all_reduce" and not entry["retired"]
