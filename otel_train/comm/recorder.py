@@ -20,6 +20,7 @@ everything queued; :meth:`Recorder.stop` stops the thread and flushes (shutdown,
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -77,7 +78,8 @@ class Recorder:
         # open on its thread at the first look after the op was issued that had started before it.
         self._snapshots: deque[tuple[int, list[Any]]] = deque(maxlen=SNAPSHOTS)
         # (time, step context) at each step change: the step of a Flight Recorder op without a parent.
-        self._steps: deque[tuple[int, Any]] = deque(maxlen=STEP_HISTORY)
+        self._step_times: list[int] = []
+        self._step_states: list[Any] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,15 +95,16 @@ class Recorder:
 
     def on_step(self, step: int) -> None:
         """A step listener (the training thread, once per step): remember when each step began."""
-        self._steps.append((time.time_ns(), step_context.current()))
+        times, states = self._step_times, self._step_states
+        times.append(time.time_ns())
+        states.append(step_context.current())
+        if len(times) > 2 * STEP_HISTORY:  # keep the latest STEP_HISTORY (the recorder reads both lists)
+            self._step_times, self._step_states = times[-STEP_HISTORY:], states[-STEP_HISTORY:]
 
     def _step_at(self, ns: int) -> Any:
-        state = None
-        for began, at in self._steps:
-            if began > ns:
-                break
-            state = at
-        return state
+        times, states = self._step_times, self._step_states
+        index = bisect.bisect_right(times, ns, 0, min(len(times), len(states))) - 1
+        return states[index] if index >= 0 else None
 
     def baseline(self) -> None:
         """Ops the groups that exist now issued before recording began are not the recorder's to write."""
@@ -136,7 +139,10 @@ class Recorder:
         try:
             counters = self._counters() if self._buffer is not None and self._buffer.enabled else None
             for note in self._queue.take():
-                self._begin(note)
+                try:
+                    self._begin(note)
+                except Exception as exc:  # noqa: BLE001 - one op unrecorded, the others still are
+                    _report.report_exception("writing a comm span", exc)
             self._end_finished()
             if counters is not None:
                 if self._open_entries is not None:
