@@ -17,8 +17,9 @@ comes and goes over many steps and moves every rank alike. So:
   medians: a slow minute of one run counts once, not once per step. Fewer than :data:`MIN_BLOCKS`
   blocks on either side are never significant.
 
-Culprits, not victims: time a rank spends in a collective phase (``backward``) waiting for a late
-peer is not that phase's work, so collective phases are judged on their own time (the what-if
+Culprits, not victims: time a rank spends in a collective phase (``backward``) or a ``comm.*`` op
+waiting for a late peer is not that phase's work, so collective phases and comm ops are judged on
+their own time (a comm op's: from the last member's arrival to its end) (the what-if
 model's tail: from the last rank's arrival to leaving; docs/analysis.md "What-if"), a change
 that most ranks of a phase share is one finding for all ranks instead of one per rank, and a phase
 that contains others (``step``) gets none: its change is theirs.
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from otel_train import schema
 from otel_train.analysis.spans import NO_STEP, Run
 from otel_train.analysis.stats import mann_whitney, quantiles
 from otel_train.analysis.whatif import SYNC_PHASES, sync_table
@@ -180,10 +182,31 @@ def _own_times(run: Run, steps: np.ndarray | None, sync: Sequence[str]) -> Keyed
     return {k: _joined(v) for k, v in out.items()}
 
 
+def _comm_own_times(run: Run, steps: np.ndarray | None) -> Keyed:
+    """Per (rank, ``comm.*`` name): each op's own time, from the last member's arrival to its end (a
+    recv's and its send's: from the later of the two), the waiting for late members excluded."""
+    out: dict[tuple[int, str], list[tuple[int, float]]] = {}
+    for graph in run.comm.values():
+        matched = [list(ops.values()) for ops in graph.collectives.values()]
+        matched += [[o for o in pair if o is not None] for pair in graph.p2p.values()]
+        for ops in matched:
+            if len(ops) < 2 or any(o.start is None or o.end is None for o in ops):
+                continue
+            last = max(o.start for o in ops)  # type: ignore[type-var]
+            for o in ops:
+                step = NO_STEP if o.step is None else o.step
+                if steps is None or step == NO_STEP or np.isin(step, steps):
+                    out.setdefault((o.rank, schema.comm_span_name(o.op)), []).append(
+                        (step, max(0.0, (o.end - last) * 1000.0)))  # type: ignore[operator]
+    return {k: (np.array([s for s, _ in v], np.int64), np.array([d for _, d in v])) for k, v in out.items()}
+
+
 def _samples(run: Run, steps: np.ndarray | None, sync: Sequence[str]) -> tuple[Samples, Keyed]:
-    """(raw durations, judged values with their steps): collective phases are judged on their own time."""
+    """(raw durations, judged values with their steps): collective phases and comm ops are judged on
+    their own time."""
     raw = _durations(run, steps)
-    return {k: v[1] for k, v in raw.items()}, {**raw, **_own_times(run, steps, sync)}
+    own = {**_own_times(run, steps, sync), **_comm_own_times(run, steps)}
+    return {k: v[1] for k, v in raw.items()}, {**raw, **own}
 
 
 _NONE = np.empty(0)
@@ -238,7 +261,7 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
     (raw_a, judged_a), (raw_b, judged_b) = _samples(a, steps, sync), _samples(b, steps, sync)
     order = list(dict.fromkeys([*a.phase_order(), *b.phase_order()]))
     names = [n for n in order if any(k[1] == n for k in raw_a) and any(k[1] == n for k in raw_b)]
-    collective = {n for n in sync if n in names}
+    collective = {n for n in names if n in sync or schema.comm_op_of(n)}
     containers = {p for run in (a, b) for d in run.processes for p in d.parents.values() if p is not None}
     tested = [{n: _tested(judged, n) for n in names} for judged in (judged_a, judged_b)]
     ranks = _rank_rows(raw_a, raw_b, judged_a, judged_b, tested, names, thresholds)
