@@ -160,11 +160,14 @@ def test_live_hang_after_the_threshold_names_the_culprit_then_resolves(tmp_path:
         ("finding", "hang", 1, FORWARD)]
     f = events[0]["finding"]
     assert f["victims"] == [0] and f["since"] == pytest.approx(since) and "stacks" not in f
+    # The live table tells the culprit from its victims (every rank of a hung run is stalled).
+    assert [row["state"] for row in g.live.rows(g.now)] == ["waiting on 1", "culprit"]
     assert g.poll_at(5.0) == []  # raised once
     procs[1].advance(10)
     procs[1].end()  # forward returns after all
     resolved = g.poll_at(0.1)
     assert [(e["type"], e["finding"]["rank"]) for e in resolved] == [("resolved", 1)]
+    assert "culprit" not in [row["state"] for row in g.live.rows(g.now)]
 
 
 def test_legitimately_slow_checkpoint_is_no_hang(tmp_path: Path) -> None:
@@ -277,7 +280,7 @@ def test_silent_process_on_this_host_is_judged_without_waiting_for_its_watchdog(
         procs[0].instant(schema.INSTANT_HEARTBEAT, open=[])
     events = g.poll_at(0.1)
     assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in events] == [("hang", 1)]
-    assert g.live.rows(g.now)[1]["state"] == "silent"
+    assert [row["state"] for row in g.live.rows(g.now)] == ["waiting on 1", "culprit (silent)"]
 
 
 def test_no_restart_expected_means_the_end_comes_at_once(tmp_path: Path) -> None:

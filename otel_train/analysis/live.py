@@ -50,7 +50,7 @@ import numpy as np
 from otel_train import schema
 from otel_train.analysis.comm import CommGraph, CommOp, Group, feed_process
 from otel_train.analysis.findings import (
-    CRASH, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
+    CRASH, DESYNC, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
 )
 from otel_train.analysis.records import AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, Warn, head
 from otel_train.analysis.spans import STATUS_OPEN, PhaseSeries, ProcessState, Run, assign_attempts
@@ -656,14 +656,35 @@ class LiveRun:
         return clean or now - max(lp.gone_at or now for lp in last) >= RESTART_GRACE_S
 
     def rows(self, now: float | None = None) -> list[dict[str, Any]]:
-        """One row per process for a live table: rank, attempt, step, open spans, open for, state."""
+        """One row per process for a live table: rank, attempt, step, open spans, open for, state.
+
+        While a hang (or desync) is active, its culprit's state is ``culprit`` (``culprit (silent)``,
+        ``culprit (dead)``) and each victim's ``waiting on <culprit>``, whatever their own state (every
+        rank of a hung run is stalled)."""
         now = self.clock() if now is None else now
+        blame = self._blame()
         out = []
         for lp in sorted(self.procs.values(), key=lambda p: (p.state.attempt, p.state.rank, p.state.source)):
             s = lp.state
+            state = lp.status(now)
+            said = blame.get((s.rank, s.attempt)) if state != "ended" else None
+            if said is not None:  # a culprit keeps what else is known of it: culprit (silent), (dead)
+                state = said if state in ("running", "stalled") or said != "culprit" else f"culprit ({state})"
             out.append({"rank": s.rank, "attempt": s.attempt, "source": s.source, "step": s.final_step,
                         "open": [u.name for u in s.unclosed] if not lp.finished else [],
-                        "open_for": lp.open_for(now), "state": lp.status(now), "host": s.host, "pid": s.pid})
+                        "open_for": lp.open_for(now), "state": state, "host": s.host, "pid": s.pid})
+        return out
+
+    def _blame(self) -> dict[tuple[int, int], str]:
+        """(rank, attempt) → ``culprit`` or ``waiting on R`` for the active hangs and the desyncs raised."""
+        active = [f for _, f in self._active.values()] + [f for f in self.raised if f["kind"] == DESYNC]
+        out: dict[tuple[int, int], str] = {}
+        for f in active:
+            if f["kind"] not in (HANG, DESYNC) or f.get("rank") is None:
+                continue
+            for victim in f.get("victims") or ():
+                out.setdefault((victim, f["attempt"]), f"waiting on {f['rank']}")
+            out[(f["rank"], f["attempt"])] = "culprit"
         return out
 
 

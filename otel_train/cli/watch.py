@@ -150,9 +150,17 @@ class _Table:
             open_for = row["open_for"]
             table.add_row(str(row["rank"]), str(row["attempt"]), "-" if row["step"] is None else str(row["step"]),
                           " > ".join(row["open"]) or "-", "-" if open_for is None else f"{open_for:.1f} s",
-                          Text(row["state"], style=styles.get(row["state"], "green")))
+                          Text(row["state"], style=_state_style(row["state"], styles)))
         waiting = [] if rows else [Text("waiting for trace files ...", style="dim")]
         return Group(table, *waiting, *self.lines)
+
+
+def _state_style(state: str, styles: dict[str, str]) -> str:
+    if state.startswith("culprit"):
+        return "bold white on red"
+    if state.startswith("waiting on "):
+        return "yellow"
+    return styles.get(state, "green")
 
 
 class _Hooks:
