@@ -196,7 +196,7 @@ def test_pipeline_sends_match_recvs_and_compute_spans_carry_the_microbatch(pp: R
     assert sorted((c["pp"], c["dp"]) for c in coords.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for rank, recs in pp.items():
         descs = {r["attrs"]["group"]: r["attrs"]["desc"] for r in recs if r["name"] == S.INSTANT_COMM_GROUP}
-        assert sorted(descs.values()) == ["dp", "pp"]
+        assert sorted(descs.values()) == ["default_pg", "dp", "pp"]  # every group it is in, ops or not
         for start, _ in comm_spans(recs):
             assert descs[start["attrs"][S.ATTR_COMM_GROUP]] == ("pp" if S.comm_op_of(start["name"]) in S.P2P_OPS
                                                                 else "dp")

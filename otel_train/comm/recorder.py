@@ -21,6 +21,7 @@ everything queued; :meth:`Recorder.stop` stops the thread and flushes (shutdown,
 from __future__ import annotations
 
 import bisect
+import sys
 import threading
 import time
 from collections import deque
@@ -138,6 +139,7 @@ class Recorder:
             return
         try:
             counters = self._counters() if self._buffer is not None and self._buffer.enabled else None
+            self._announce_groups()
             for note in self._queue.take():
                 try:
                     self._begin(note)
@@ -153,6 +155,24 @@ class Recorder:
                     self._read_buffer(now)
         finally:
             self._lock.release()
+
+    def _announce_groups(self) -> None:
+        """A ``comm.group`` instant for each group this process is in, at the first look that finds it
+        (so near the head of the file, where ``summarize --fast`` reads the layout); a group whose
+        first op comes before that look is announced by the op's note (``_begin``)."""
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        if c10d is None:
+            return
+        for pg in list(c10d._world.pg_names):
+            state = self._groups.get(pg)
+            if state is None:
+                try:
+                    state = self._groups.add(pg)
+                except Exception:  # noqa: BLE001 - a group torch cannot describe yet: its first op will
+                    continue
+            if not state.announced:
+                state.announced = True
+                self._instant(S.INSTANT_COMM_GROUP, state.instant_attrs())
 
     # Notes -> spans
 
