@@ -282,8 +282,17 @@ class JsonlSpanProcessor(SpanProcessor):
         with self._lock:
             if self._closed:
                 return
+            self._check_file()
             self.instant(name, attrs(self._seq + 1, self.dropped_records))
             self.shutdown()
+
+    def _check_file(self) -> None:
+        # The last look at the file before its last record: a file deleted since the writer's last
+        # periodic check (less than a second ago) is found, reported and announced like one it found.
+        check = getattr(self._writer, "check_now", None)
+        lost = check() if check is not None else None
+        if lost:
+            self._on_loss(lost[0], lost[1], "trace file deleted")
 
     def shutdown(self) -> None:
         with self._lock:

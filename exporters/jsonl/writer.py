@@ -10,6 +10,7 @@ record into an unlinked inode. So about once a second, and before every rotation
 the open file's link count: a deleted file is reported once, what was written to it (and to rotated
 segments gone with it) is counted as lost, and a new file is made at the same path (its directory
 too, one level, when the directory's parent still exists: a whole deleted run is not resurrected).
+Shutdown checks once more (:meth:`check_now`), so a deletion less than a second before it is found too.
 The once-a-second cadence costs the hot path nothing: one daemon thread per process (``_Ticker``)
 lowers each open writer's limit, so the next write takes the slow path that checks.
 
@@ -202,6 +203,18 @@ class RotatingFileWriter:
         if self._fsync:
             return self._sync()
         return True
+
+    def check_now(self) -> tuple[int, int] | None:
+        """Check now that the open file is still linked (shutdown calls it: the once-a-second check may
+        not have come since a deletion), making a new one if not. Returns the (records, bytes) lost and
+        not yet announced, and forgets them: the caller announces them. Never raises."""
+        if self._fd >= 0 and not self._closed:
+            try:
+                self._check_linked()
+            except OSError as exc:
+                self._fail(exc, 0)
+        pending, self._pending_loss = self._pending_loss, None
+        return pending
 
     def close(self) -> None:
         """Close the file; idempotent. Later writes return False."""
