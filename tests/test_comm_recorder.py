@@ -490,3 +490,19 @@ def test_recorder_turns_a_running_note_into_an_open_span_then_ends_it(tmp_path: 
     assert [r["attrs"] for r in recs if r["name"] == S.INSTANT_COMM_GROUP] == [
         {"group": "7", "desc": "pp", "ranks": [3, 5]}]
     time.sleep(0)  # nothing else runs here
+
+
+def test_a_call_missing_its_tensor_raises_as_without_us_and_reports_nothing(tmp_path: Path) -> None:
+    done = run_scenario(tmp_path, """
+    ot.init(save_path=save, enabled=True)
+    group()
+    for fn in (dist.all_reduce.__otel_train_original__, dist.all_reduce):
+        try:
+            fn()
+        except TypeError as exc:
+            print("RAISED", exc)
+    ot.shutdown()
+    """)
+    raised = [line for line in done.stdout.splitlines() if line.startswith("RAISED")]
+    assert len(raised) == 2 and raised[0] == raised[1]
+    assert "otel-train" not in done.stderr  # a user's mistake is no fault of the recorder

@@ -118,7 +118,9 @@ class NoteMaker:
         nbytes, dtype = 0, None
         if spec.tensor is not None:
             index, name = spec.tensor
-            value = args[index] if n > index else kwargs[name]
+            value = args[index] if n > index else kwargs.get(name)
+            if value is None:
+                return None  # a call without its tensor: the original says what is wrong
             if isinstance(value, (list, tuple)):
                 nbytes, dtype = _tensor_info(value)
             else:
