@@ -76,6 +76,7 @@ class Settings:
     redact: tuple[str, ...] = ()
     collectives: str = "auto"
     fr_dir: str | None = None  # None: <save_path>/flight_recorder (see fr_path)
+    host: str | None = None  # None: socket.gethostname() (the host records carry; docs/clock.md)
 
     @property
     def fr_path(self) -> str:
@@ -284,6 +285,7 @@ _FIELDS: dict[str, _Field] = {
     "stall_factor": _Field(_float_at_least(1.0), "a number >= 1 (a multiple of the name's p99 duration)"),
     "collectives": _Field(_choice(COLLECTIVES), "one of auto, on, off (docs/comm.md)"),
     "fr_dir": _Field(_optional(_path), "a non-empty directory path without NUL bytes"),
+    "host": _Field(_optional(_text), "a non-empty host name on one line"),
     "redact": _Field(_redact, "a comma list of more secret name parts (e.g. WANDB) and 're:<regex>' value patterns"),
 }
 

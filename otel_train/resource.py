@@ -196,7 +196,7 @@ def detect_run_context(settings: Settings, env: Mapping[str, str] | None = None)
         run_id=run_id,
         run_id_known=run_id_known,
         source=settings.source,
-        host=socket.gethostname(),
+        host=settings.host or socket.gethostname(),
         pid=os.getpid(),
         launcher=_launcher(found),
     )

@@ -492,21 +492,26 @@ def test_a_hang_ended_by_sigterm_names_the_same_culprit(tmp_path: Path) -> None:
     assert (found[0]["comm"]["seq"], found[0]["comm"]["waiting"], found[0]["comm"]["missing"]) == (5, [0, 1, 2], [3])
 
 
-def test_arrivals_are_compared_within_one_host_only(tmp_path: Path) -> None:
-    # One rank per host: no arrival order is read across clocks, so only the phase rule (each rank's
-    # own durations) names the slow loader. Two ranks per host: the arrival rule names it on its host.
-    for hosts, by in (({0: "a", 1: "b"}, False), ({0: "a", 1: "a", 2: "b", 3: "b"}, True)):
+def test_arrivals_are_compared_across_hosts_on_the_aligned_clock(tmp_path: Path) -> None:
+    # Host b's clock is 3 s ahead. The clock estimate (docs/clock.md) puts it on host a's, so the
+    # arrival rule names the slow loader across hosts, one rank per host or two, with every other
+    # member waiting on it; raw clocks (--no-align) would call host b's ranks last every time.
+    for hosts, waiting in (({0: "a", 1: "b"}, [0]), ({0: "a", 1: "a", 2: "b", 3: "b"}, [0, 2, 3])):
         run_dir = tmp_path / str(len(hosts))
-        procs = [Proc(rank=r, world_size=len(hosts), host=h) for r, h in hosts.items()]
+        procs = [Proc(rank=r, world_size=len(hosts), host=h, t0=1_700_000_000.0 + (3.0 if h == "b" else 0.0))
+                 for r, h in hosts.items()]
         declare(procs)
         dp_steps(procs, range(40), _slow(1, 40.0))
         for p in procs:
             p.shutdown()
         write_run(run_dir, procs)
-        found = summarize(run_dir)["findings"]
-        assert [(f["kind"], f["rank"], f["phase"], "arrival" in f) for f in found] == [("straggler", 1, DATA_FETCH, by)]
-        if by:
-            assert found[0]["comm"]["waiting"] == [0]  # its host's peer: rank 2, 3 wait on another clock
+        summary = summarize(run_dir)
+        found = summary["findings"]
+        assert [(f["kind"], f["rank"], f["phase"], "arrival" in f) for f in found[:1]] == [
+            ("straggler", 1, DATA_FETCH, True)]
+        assert found[0]["comm"]["waiting"] == waiting
+        assert [f["kind"] for f in found[1:]] == ["clock_skew"]
+        assert [round(r["offset_ms"]) for r in summary["clock"]] == [0, 3000]
 
 
 def test_fast_gives_the_same_desync(tmp_path: Path) -> None:

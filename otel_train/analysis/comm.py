@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from otel_train import schema
+from otel_train.analysis.clock import Clock, estimate, raw_clock
 
 if TYPE_CHECKING:
     from otel_train.analysis.spans import Run
@@ -122,7 +123,7 @@ class Arrival:
     waited_ms: float  # sum over the other members of (last arrival - own arrival)
     members: tuple[int, ...]  # the members compared (one host's), ascending
     step: int | None
-    start: float  # the last arrival (its own clock)
+    start: float  # the last arrival (on the reference clock when the graph's clock is estimated)
 
 
 @dataclass(slots=True)
@@ -131,7 +132,9 @@ class CommGraph:
     ``p2p[(src, dst, seq)]`` the send (``[0]``) and the recv (``[1]``), either None when unseen.
 
     ``world`` is the world size (members of a group that no ``comm.group`` instant described),
-    ``hosts`` each rank's host (arrival times are compared only within one host: docs/comm.md).
+    ``hosts`` each rank's host; ``clock`` the hosts' clocks (docs/clock.md): arrival times of ranks on
+    different hosts are compared on the reference clock, and not at all for a host it could not
+    estimate (without a clock, only within one host).
     """
 
     groups: dict[str, Group] = field(default_factory=dict)
@@ -146,6 +149,7 @@ class CommGraph:
     last_p2p: dict[tuple[int, int, str], int] = field(default_factory=dict)  # (rank, peer, op) -> highest seq
     desynced: dict[str, int] = field(default_factory=dict)  # group -> first seq whose members disagree
     ops: int = 0
+    clock: Clock | None = None
 
     # -- building ------------------------------------------------------------------------------
 
@@ -277,30 +281,37 @@ class CommGraph:
         culprit = min(sides, key=lambda sig: (len(sides[sig]), seen(sig), -min(sides[sig])))
         return seq, sides[culprit], sides
 
+    def at(self, op: CommOp) -> float | None:
+        """When ``op``'s rank arrived, on the reference clock (its own clock without an estimate)."""
+        return op.start if self.clock is None else self.clock.align(self.hosts.get(op.rank), op.start)
+
     def arrivals(self) -> Iterator[Arrival]:
-        """Every collective that each member arrived at, per host (clocks of one host only: docs/comm.md)."""
+        """Every collective that each member arrived at, per clock domain (docs/clock.md): all members on
+        the reference clock when the clock is estimated, else per host."""
+        clock = self.clock
         for (group, seq), ops in self.collectives.items():
             members = self.members(group)
             if len(members) < 2 or any(m not in ops or ops[m].start is None for m in members):
                 continue
-            by_host: dict[str | None, list[CommOp]] = {}
+            by_host: dict[str | None, list[tuple[float, CommOp]]] = {}
             for m in members:
-                by_host.setdefault(self.hosts.get(m), []).append(ops[m])
+                host = self.hosts.get(m)
+                t = ops[m].start if clock is None else clock.align(host, ops[m].start)
+                by_host.setdefault(host if clock is None else clock.domain(host), []).append((t, ops[m]))  # type: ignore[arg-type]
             for same in by_host.values():
                 if len(same) < 2:
                     continue
-                same.sort(key=lambda o: o.start)  # type: ignore[arg-type, return-value]
-                last, second = same[-1], same[-2]
-                t = last.start or 0.0
-                waited = sum(t - (o.start or 0.0) for o in same[:-1]) * 1000.0
-                yield Arrival(group, seq, last.op, last.rank, (t - (second.start or 0.0)) * 1000.0, waited,
-                              tuple(sorted(o.rank for o in same)), last.step, t)
+                same.sort(key=lambda to: to[0])
+                (t, last), (t2, _) = same[-1], same[-2]
+                waited = sum(t - u for u, _ in same[:-1]) * 1000.0
+                yield Arrival(group, seq, last.op, last.rank, (t - t2) * 1000.0, waited,
+                              tuple(sorted(o.rank for _, o in same)), last.step, t)
 
     def recent(self, first_step: int, older: int = 1000) -> CommGraph:
         """A copy holding the collectives and p2p ops of steps from ``first_step`` on (live ``watch``'s
         straggler ask over its recent steps): newest first, until ``older`` in a row are older."""
         out = CommGraph(dict(self.groups), {}, {}, dict(self.mesh), self.source, self.attempt, self.world,
-                        dict(self.hosts), dict(self.last_seq), dict(self.last_p2p), dict(self.desynced))
+                        dict(self.hosts), dict(self.last_seq), dict(self.last_p2p), dict(self.desynced), clock=self.clock)
         for table, copy in ((self.collectives, dict), (self.p2p, list)):
             taken, behind = [], 0
             for key in reversed(table):  # type: ignore[call-overload]
@@ -392,7 +403,22 @@ def build_graphs(run: Run, extra_ops: Iterable[CommOp] | None = None, extra_grou
     for group in extra_groups:
         for graph in graphs.values():
             graph.add_group(group, replace=False)
+    clock = run_clock(run, graphs)
+    for graph in graphs.values():
+        graph.clock = clock
     return graphs
+
+
+def run_clock(run: Run, graphs: dict[tuple[str, int], CommGraph]) -> Clock:
+    """The hosts' clocks of ``run`` from all its graphs (docs/clock.md); raw with ``run.align`` off.
+    ``t0`` is the reference host's first record."""
+    if not getattr(run, "align", True):
+        return raw_clock()
+    if len({d.host for d in run.processes}) < 2 and len({h for g in graphs.values() for h in g.hosts.values()}) < 2:
+        return Clock(reference=next((d.host for d in run.processes), None))
+    first = min(run.processes, key=lambda d: d.rank, default=None)
+    starts = [d.first_ts for d in run.processes if first is not None and d.host == first.host and d.first_ts]
+    return estimate(graphs.values(), min(starts) if starts else None)
 
 
 def feed_process(graph: CommGraph, d: Any, since: int = 0) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import sketch
-from otel_train.analysis.findings import CRASH, DESYNC, HANG, RESTART, findings
+from otel_train.analysis.findings import CLOCK_SKEW, CRASH, DESYNC, HANG, RESTART, findings
 from otel_train.analysis.records import (
     AnyRecord,
     BadLines,
@@ -41,7 +41,7 @@ from otel_train.analysis.records import (
     read_tail,
 )
 from otel_train.analysis.spans import ProcessState, Run, process_order, read_process
-from otel_train.analysis.summary import default_fr, process_row, unclosed_rows, with_dumps
+from otel_train.analysis.summary import clock_rows, default_fr, process_row, unclosed_rows, with_dumps
 
 FIRST_WINDOW = 64 << 10
 """Bytes read from the end of a process's files first (about 150 records)."""
@@ -51,16 +51,18 @@ WINDOW_SHARE_SHIFT = 8
 before cost at most about 0.5 % of that read."""
 MIN_LAST_WINDOW = 256 << 10
 """Windows up to this size are read whatever the file's size (a small file's tail is cheap either way)."""
-FAST_KINDS = (HANG, CRASH, RESTART, DESYNC)
+FAST_KINDS = (HANG, CRASH, RESTART, DESYNC, CLOCK_SKEW)
 """The findings ``--fast`` answers (a desync when its seq is in the tails); errors and stragglers need every step."""
 HEAD_RECORDS = 2000
 """Records read from the head of a process's oldest segment (within its first 64 KiB) for the
 ``comm.group`` and ``otel_train.mesh`` instants: group membership, declared before the first op."""
 
 
-def summarize_fast(path: str | Path, *, warn: Warn | None = None, fr: str | Path | None = None) -> dict[str, Any]:
+def summarize_fast(path: str | Path, *, warn: Warn | None = None, fr: str | Path | None = None,
+                   align: bool = True) -> dict[str, Any]:
     """The ``summarize --json`` keys from each file's tail and digest (docs/cli.md), with the Flight
-    Recorder dumps under ``fr`` (default: the run's) merged; raises TraceReadError."""
+    Recorder dumps under ``fr`` (default: the run's) merged; ``align``: estimate the hosts' clocks from
+    the collectives in the tails (docs/clock.md); raises TraceReadError."""
     bad = BadLines(warn)
     read = []
     for pf, attempt, meta in process_order(path, warn=bad.warn):
@@ -70,11 +72,13 @@ def summarize_fast(path: str | Path, *, warn: Warn | None = None, fr: str | Path
     read.sort(key=lambda sd: (sd[0].rank, sd[0].attempt, sd[0].source))
     run = with_dumps(Run([s for s, _ in read], bad.count), fr if fr is not None else default_fr(path, Run([s for s, _ in read])),
                      warn)
+    run.align, run.graphs = align, None
     return {
         "processes": [{**process_row(d), "records": None} for d in run.processes],  # unknown from a tail
         "unclosed": [row for d in run.processes for row in unclosed_rows(d)],
         "phases": digest_phases(run, [d for _, d in read]),
         "findings": [f for f in findings(run, stragglers=False) if f["kind"] in FAST_KINDS],
+        "clock": clock_rows(run),
         "goodput": None,  # needs every step
         "malformed_lines": run.malformed_lines,
         "fast": True,

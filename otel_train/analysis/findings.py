@@ -70,7 +70,8 @@ ERROR = "error"
 STRAGGLER = "straggler"
 RESTART = "restart"
 DESYNC = "desync"
-FINDING_KINDS = (HANG, CRASH, ERROR, STRAGGLER, RESTART, DESYNC)
+CLOCK_SKEW = "clock_skew"
+FINDING_KINDS = (HANG, CRASH, ERROR, STRAGGLER, RESTART, DESYNC, CLOCK_SKEW)
 
 STRAGGLER_MAX_P = 0.01
 """A rank is slower than its peers' median in more steps than chance would give: sign test p below this ..."""
@@ -108,7 +109,8 @@ def findings(
     run: Run, *, alive: Collection[ProcessState] = (), running: Collection[ProcessState] = (),
     stragglers: bool = True, graphs: dict[tuple[str, int], CommGraph] | None = None,
 ) -> list[dict[str, Any]]:
-    """All findings, culprits only: hangs and crashes first, then desyncs, errors, stragglers, restarts.
+    """All findings, culprits only: hangs and crashes first, then desyncs, errors, stragglers, restarts,
+    clock skews (hosts off the reference by more than 10 ms: docs/clock.md).
 
     For a live snapshot: ``alive`` processes have not died (whether or not they wrote ``process_end``
     yet), ``running`` ones (a subset) are still making progress and so are neither hung nor crashed;
@@ -130,7 +132,27 @@ def findings(
         errors.extend(_error_findings(group, culprits, explained))
         if stragglers:
             slow.extend(straggler_findings(group, run.phase_order(), graph=graph))
-    return out + errors + slow + _restart_findings(run)
+    return out + errors + slow + _restart_findings(run) + clock_findings(run, graphs)
+
+
+def clock_findings(run: Run, graphs: dict[tuple[str, int], CommGraph]) -> list[dict[str, Any]]:
+    """A ``clock_skew`` finding per host whose clock is off the reference's by more than
+    :data:`~otel_train.analysis.clock.SKEW_MS` (at the start or the end of the run)."""
+    clock = next((g.clock for g in graphs.values() if g.clock is not None), None)
+    if clock is None:
+        return []
+    out = []
+    for hc in clock.skewed():
+        ranks = sorted({d.rank for d in run.processes if d.host == hc.host})
+        d = next((p for p in run.processes if p.host == hc.host), None)
+        message = (f"host {hc.host}'s clock (ranks {rank_ranges(ranks)}) is {hc.offset_s * 1e3:+.1f} ms off host "
+                   f"{clock.reference}'s (the reference) at the first record, drifting {hc.drift * 1e6:+.1f} ppm "
+                   f"(residual {hc.residual_s * 1e3:.3f} ms over {hc.samples} collectives): every cross-host "
+                   "comparison uses aligned times (--no-align: the raw clocks)")
+        f = _finding(CLOCK_SKEW, d, None, None, message, **hc.row())
+        f["attempt"] = None
+        out.append(f)
+    return out
 
 
 def _ranks(ds: Sequence[ProcessState]) -> str:
@@ -597,7 +619,7 @@ def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[i
     # The op most of its direct waiters wait in; a send/recv (a stage's neighbour) before a collective.
     key = min(by_key, key=lambda k: (-len(by_key[k]), len(k) != 3, by_key[k][0][1].seq))
     first = by_key[key]
-    op = min((o for _, o in first), key=lambda o: o.start or 0.0)
+    op = min((o for _, o in first), key=lambda o: graph.at(o) or 0.0)
     waiting = sorted({w for w, _ in links})
     there = sorted({w for w, _ in first})
     also = [min(ws, key=lambda wo: wo[0]) for k, ws in sorted(by_key.items(), key=lambda kv: str(kv[0])) if k != key]
@@ -622,7 +644,7 @@ def _comm_hang(c: int, d: ProcessState | None, attempt: int, links: list[tuple[i
 def _comm_hang_message(c: int, d: ProcessState | None, op: CommOp, there: list[int], waiting: list[int],
                        graph: CommGraph, crashed: bool, own: Sequence[CommOp] = (),
                        also: Sequence[tuple[int, CommOp]] = ()) -> str:
-    since = _hms(op.start)
+    since = _hms(graph.at(op))
     stage = graph.stage(c)
     who = f"rank {c}" + (f" (pp stage {stage})" if stage is not None else "")
     when = f"since {since}" if op.waiting else f"from {since} until it failed"
@@ -663,7 +685,7 @@ def _culprit_state(c: int, d: ProcessState | None, crashed: bool) -> str:
 def _all_waiting(attempt: int, waits: dict[int, list[CommOp]], graph: CommGraph) -> dict[str, Any]:
     """Every stopped rank waits in communication and none waits for a rank that is not: every member
     issued the op (suspect the network or a device), or the ranks wait for each other (a cycle)."""
-    first = min((ops[0] for ops in waits.values()), key=lambda o: (o.seq, o.start or 0.0))
+    first = min((ops[0] for ops in waits.values()), key=lambda o: (o.seq, graph.at(o) or 0.0))
     ranks = sorted(waits)
     blocked = any(graph.blockers(op) for ops in waits.values() for op in ops)
     where = f"{first.op} #{first.seq} of group {first.group}"
@@ -671,7 +693,7 @@ def _all_waiting(attempt: int, waits: dict[int, list[CommOp]], graph: CommGraph)
         message = (f"ranks {rank_ranges(ranks)} of attempt {attempt} wait for each other in communication "
                    f"(a cycle, e.g. {where}): a schedule that deadlocks")
     else:
-        message = (f"{_ranks_word(ranks)} in {where} since {_hms(first.start)}, which every member issued: "
+        message = (f"{_ranks_word(ranks)} in {where} since {_hms(graph.at(first))}, which every member issued: "
                    "suspect the network, a device or a peer's backend")
     ops = {str(r): o.op for r, o in sorted(graph.collectives.get((first.group, first.seq), {}).items())}
     comm = {"group": first.group, "seq": first.seq, "op": first.op, "waiting": ranks,
@@ -763,7 +785,7 @@ def arrival_findings(group: Sequence[ProcessState], graph: CommGraph | None, win
                      ) -> list[dict[str, Any]]:
     """Stragglers by arrival: at each collective the last member to arrive made the others wait.
 
-    Per group (and host: arrival times are compared within one host), a rank is named when it is
+    Per group (and clock domain: arrivals on the reference clock, docs/clock.md), a rank is named when it is
     last at a share of the collectives that 1 / members cannot explain (binomial p < ``ARRIVAL_MAX_P``,
     at least ``ARRIVAL_MIN_SHARE``) by a median margin of at least ``ARRIVAL_MIN_GAP_MS`` and
     ``ARRIVAL_MIN_GAP_PCT`` of its median step; ``cost_ms`` is what its peers waited at those collectives.

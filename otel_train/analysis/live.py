@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from otel_train import schema
+from otel_train.analysis.clock import Clock, estimate, raw_clock
 from otel_train.analysis.comm import CommGraph, CommOp, Group, feed_process
 from otel_train.analysis.findings import (
     CRASH, DESYNC, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
@@ -77,6 +78,11 @@ STALL_RECORD_GRACE_S = 2.0
 PY_SPY_TIMEOUT_S = 10.0
 PRUNE_EVERY_OPS = 200_000
 """A live comm graph drops what it needs no more (:meth:`CommGraph.prune`) each time this many more ops came."""
+CLOCK_EVERY_S = 5.0
+"""The hosts' clocks (docs/clock.md) are estimated again from the live graphs at most this often."""
+SKEW_APPLY_S = 0.5
+"""A host whose records reach their files this much later (or earlier) than the files' modification
+times say is on a clock of its own: its times are compared with watch's own clock shifted by that."""
 FR_POLL_S = 5.0
 """How often the Flight Recorder dump directory is looked at for new or changed dumps."""
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -194,7 +200,7 @@ class LiveProcess:
     """One process instance being followed: its span-model state and what only a live reader knows."""
 
     __slots__ = ("state", "thresholds", "restarts_left", "progress_ts", "local", "dead", "silent", "gone_at",
-                 "_limits")
+                 "_limits", "skew")
 
     def __init__(self, state: ProcessState, local: bool) -> None:
         self.state = state
@@ -206,6 +212,7 @@ class LiveProcess:
         self.silent = False
         self.gone_at: float | None = None  # when it ended or died (watch's clock)
         self._limits: dict[str, tuple[int, float]] = {}  # name -> (durations seen, threshold)
+        self.skew = 0.0  # watch's clock minus its host's clock, when that host's is off (docs/clock.md)
 
     @property
     def finished(self) -> bool:
@@ -237,7 +244,7 @@ class LiveProcess:
         inner = self.state.innermost
         if inner is None or inner.status != STATUS_OPEN:
             return False
-        open_s = now - inner.start_ts
+        open_s = now - self.skew - inner.start_ts
         if open_s < self.thresholds.stall_min_s:
             return False
         if inner.span_id in self.state.stalls:
@@ -249,7 +256,7 @@ class LiveProcess:
         inner = self.state.innermost
         if inner is None or inner.status != STATUS_OPEN or inner.span_id in self.state.stalls or not self._watched():
             return False
-        return now - inner.start_ts < self._threshold(inner.name) + STALL_RECORD_GRACE_S
+        return now - self.skew - inner.start_ts < self._threshold(inner.name) + STALL_RECORD_GRACE_S
 
     def _watched(self) -> bool:
         # Its watchdog is on and still writes (it is neither silent nor gone).
@@ -269,7 +276,7 @@ class LiveProcess:
     def open_for(self, now: float) -> float | None:
         """Seconds its innermost open span has been open."""
         inner = self.state.innermost
-        return None if inner is None or self.finished else max(0.0, now - inner.start_ts)
+        return None if inner is None or self.finished else max(0.0, now - self.skew - inner.start_ts)
 
     def status(self, now: float) -> str:
         """ended, dead, silent, stalled or running."""
@@ -328,13 +335,15 @@ class LiveRun:
     Events are ``{"type": "finding" | "resolved", "ts", "finding"}`` (docs/watch.md). ``stacks``:
     add the culprit's stacks to hang and crash findings (its latest stall record, or a py-spy dump of
     a silent process on this host). ``background``: ask the straggler rule in a worker thread (its
-    answer comes a poll or more later; ``close()`` stops it). ``clock`` and ``probe`` are for tests.
+    answer comes a poll or more later; ``close()`` stops it). ``align=False`` (``--no-align``): every
+    host's raw clock, nothing estimated or shifted (docs/clock.md). ``clock`` and ``probe`` are for tests.
     """
 
     def __init__(self, path: str | Path, *, warn: Warn | None = None, stacks: bool = False,
                  background: bool = True, probe: HostProbe | None = None,
                  clock: Callable[[], float] = time.time, fr: str | Path | None = None,
-                 read_fr: Callable[[Path], tuple[list[CommOp], list[Group]]] | None = None) -> None:
+                 read_fr: Callable[[Path], tuple[list[CommOp], list[Group]]] | None = None,
+                 align: bool = True) -> None:
         self.tail = Tail(Path(path), BadLines(warn))
         self.graphs: dict[tuple[str, int], CommGraph] = {}  # the comm graph of each (source, attempt)
         self._comm_rows: dict[tuple[str, int, str], int] = {}  # comm ops of each process already added
@@ -344,6 +353,11 @@ class LiveRun:
         self._fr_next = 0.0
         self._fr_data: tuple[list[CommOp], list[Group]] = ([], [])
         self._pruned: dict[tuple[str, int], int] = {}  # graph.ops at each graph's last prune
+        self._clock_next = 0.0
+        self.align = align
+        self._file_clock = align and clock is time.time  # file times are on the real clock, not a test's
+        self._clock_ops = -1
+        self._host_lag: dict[str | None, float] = {}  # host -> least (file mtime - newest record ts) seen
         self.stacks = stacks
         self.probe = probe if probe is not None else HostProbe()
         self.clock = clock
@@ -373,7 +387,9 @@ class LiveRun:
             self._add(new)
         for pf, records in batches:
             self._dirty |= self.procs[pf.key].take(records)
+        self._update_skew(batches)
         self._dirty |= self._update_comm({pf.key for pf, _ in batches}, now)
+        self._update_clock(now)
         self._update_liveness(now)
         return self._evaluate(now)
 
@@ -401,6 +417,50 @@ class LiveRun:
                     graph.prune(min(steps) - RECENT_STEPS - 1)
         dumps = self._dumps_changed(now)
         return dumps or sum(len(g.desynced) for g in self.graphs.values()) != desyncs
+
+    def _update_skew(self, batches: list[tuple[ProcessFiles, list[AnyRecord]]]) -> None:
+        """Each host's lag: the least, over reads, of the file's modification time (the file system's
+        clock, not the writer's) minus the newest record read from it. A host off by more than
+        :data:`SKEW_APPLY_S` gets that as its processes' ``skew`` (stalls, silence and progress are
+        then judged on its own clock; durations within a process need none). Only on the real clock
+        (an injected ``clock`` is a test's: file times do not follow it)."""
+        changed = set()
+        for pf, records in batches if self._file_clock else ():
+            if not records or not pf.paths:
+                continue
+            try:
+                mtime = pf.paths[-1].stat().st_mtime
+            except OSError:
+                continue
+            host = self.procs[pf.key].state.host
+            lag = mtime - max(r.ts for r in records)
+            if lag < self._host_lag.get(host, float("inf")):
+                self._host_lag[host] = lag
+                changed.add(host)
+        if changed:
+            for lp in self.procs.values():
+                lag = self._host_lag.get(lp.state.host, 0.0)
+                lp.skew = lag if abs(lag) >= SKEW_APPLY_S else 0.0
+
+    def _update_clock(self, now: float) -> None:
+        """The hosts' clocks from the collectives seen so far (docs/clock.md), every
+        :data:`CLOCK_EVERY_S` while new ops come: arrivals and "waiting since" compare aligned times."""
+        ops = sum(g.ops for g in self.graphs.values())
+        if ops == self._clock_ops or now < self._clock_next or not self.graphs:
+            return
+        self._clock_ops, self._clock_next = ops, now + CLOCK_EVERY_S
+        hosts = {lp.state.host for lp in self.procs.values()}
+        if not self.align:
+            clock = raw_clock()
+        elif len(hosts) < 2:
+            clock = Clock(reference=next(iter(hosts), None))
+        else:
+            first = min(self.procs.values(), key=lambda lp: lp.state.rank).state
+            starts = [lp.state.first_ts for lp in self.procs.values()
+                      if lp.state.host == first.host and lp.state.first_ts]
+            clock = estimate(self.graphs.values(), min(starts) if starts else None)
+        for graph in self.graphs.values():
+            graph.clock = clock
 
     def _dumps_changed(self, now: float) -> bool:
         """Read the Flight Recorder dumps again when the directory changed (looked at every FR_POLL_S)."""
@@ -451,7 +511,7 @@ class LiveRun:
                     lp.gone_at = now
                 continue
             state, th = lp.state, lp.thresholds
-            quiet = now - (state.last_ts or now)
+            quiet = now - lp.skew - (state.last_ts or now - lp.skew)
             if lp.local:
                 lp.dead = not self.probe.alive(state.pid, state.first_ts)  # type: ignore[arg-type]
                 lp.silent = not lp.dead and quiet >= th.silence_s
@@ -475,7 +535,8 @@ class LiveRun:
         if not live:
             return False
         th = live[0].thresholds
-        progress = max((lp.progress_ts or lp.state.first_ts or now) for lp in group)
+        # On watch's clock: each process's times shifted by its host's skew (docs/clock.md).
+        progress = max((lp.progress_ts or lp.state.first_ts or now - lp.skew) + lp.skew for lp in group)
         quiet = now - progress
         if quiet < th.stall_min_s:
             return False

@@ -670,6 +670,7 @@ class Run:
     extra_ops: list[CommOp] = field(default_factory=list)
     extra_groups: list[Group] = field(default_factory=list)
     graphs: dict[tuple[str, int], CommGraph] | None = field(default=None, repr=False, compare=False)
+    align: bool = True  # compare hosts on the estimated reference clock (docs/clock.md); False: raw clocks
 
     @property
     def comm(self) -> dict[tuple[str, int], CommGraph]:

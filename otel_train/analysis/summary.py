@@ -67,17 +67,26 @@ def with_dumps(run: Run, fr: str | Path | None, warn: Warn | None = None) -> Run
 
 
 def summarize_run(run: Run) -> dict[str, Any]:
-    """The ``summarize --json`` object (docs/analysis.md): processes, unclosed, phases, findings, goodput,
-    malformed_lines."""
+    """The ``summarize --json`` object (docs/analysis.md): processes, unclosed, phases, findings, clock,
+    goodput, malformed_lines."""
     order = run.phase_order()
+    found = findings(run)
     return {
         "processes": [process_row(d) for d in run.processes],
         "unclosed": [row for d in run.processes for row in unclosed_rows(d)],
         "phases": _phase_rows(run, order),
-        "findings": findings(run),
+        "findings": found,
+        "clock": clock_rows(run),
         "goodput": goodput(run),
         "malformed_lines": run.malformed_lines,
     }
+
+
+def clock_rows(run: Run) -> list[dict[str, Any]]:
+    """``summarize --json``'s ``clock`` (docs/clock.md): each host's offset, drift, residual and samples
+    against the reference host; empty for one host, no collective, or ``run.align`` off."""
+    clock = next((g.clock for g in run.comm.values() if g.clock is not None), None)
+    return clock.rows() if clock is not None else []
 
 
 def process_row(d: ProcessState) -> dict[str, Any]:

@@ -11,8 +11,9 @@ arrival, including the all-reduce itself). So the time between two collectives i
 
 and everything a rank spends in a collective beyond its tail is waiting, charged to whoever made
 it wait. Work is measured on each rank's own clock; arrivals and tails need one clock across ranks,
-which the collectives themselves provide: each rank's clock is shifted so that its collective ends
-line up with its peers' at the median (this removes clock skew between hosts).
+which the collectives themselves provide: the run's clock estimate (docs/clock.md) puts every host
+on the reference host's clock (``--no-align``: the raw clocks). Without one (a caller that passes
+none), each host's clock is shifted so that its collective ends line up with its peers' at the median.
 
 "Made typical" replaces values by what peers did at the same step, then takes that max again: one
 rank's by the median of its peers; everyone's at once (one phase, or the ideal) by the median over
@@ -29,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from otel_train.analysis.clock import Clock
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run
 from otel_train.analysis.stats import columns, peer_medians
 from otel_train.phases import BACKWARD, STEP
@@ -98,10 +100,11 @@ def _local_phases(group: Sequence[ProcessState]) -> list[str]:
 
 
 def sync_table(group: Sequence[ProcessState], sync: Sequence[str] = SYNC_PHASES,
-               window: Window | None = None) -> SyncTable | None:
+               window: Window | None = None, clock: Clock | None = None) -> SyncTable | None:
     """The :class:`SyncTable` of one group (ranks that ran together), over steps ``window`` (inclusive)
     when given; None with fewer than two ranks or two shared collectives (no ``sync`` phase: the
-    model does not apply)."""
+    model does not apply). ``clock``: the hosts' clocks arrivals are compared on (default: a per-host
+    median shift)."""
     names = [n for n in sync if all(n in d.phases for d in group)]
     if len(group) < 2 or not names:
         return None
@@ -122,9 +125,14 @@ def sync_table(group: Sequence[ProcessState], sync: Sequence[str] = SYNC_PHASES,
         for name in local:
             work[:, j, phases.index(name)] = _assign(d, name, starts[:, j], ends[:, j])
     work[1:, :, -1] = (starts[1:] - ends[:-1]) * 1000.0 - work[1:].sum(axis=2)
-    offset = _host_offsets(ends, [d.host for d in group])
-    last_arrival = (starts - offset).max(axis=1, keepdims=True)
-    tails = (ends - offset - last_arrival) * 1000.0
+    hosts = [d.host for d in group]
+    if clock is not None:
+        on_ref = clock.align_many(hosts, starts), clock.align_many(hosts, ends)
+    else:
+        offset = _host_offsets(ends, hosts)
+        on_ref = starts - offset, ends - offset
+    last_arrival = on_ref[0].max(axis=1, keepdims=True)
+    tails = (on_ref[1] - last_arrival) * 1000.0
     for i, name in enumerate(names):
         prev = np.flatnonzero(axis[:-1] % len(names) == i)
         work[prev + 1, :, phases.index(name)] += tails[prev]
@@ -225,7 +233,8 @@ def step_cost(actual: float, typical: float) -> dict[str, float]:
 def whatif(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None) -> dict[str, Any]:
     """The ``whatif --json`` object: step_ms {actual, ideal, measured}, slowdown, by_rank, by_phase,
     by_rank_phase (costliest first), steps, sync; over every group with at least two ranks."""
-    parts = [s for s in (_group_scenarios(g, sync, window) for g in run.groups()) if s is not None]
+    clock = _clock(run)
+    parts = [s for s in (_group_scenarios(g, sync, window, clock) for g in run.groups()) if s is not None]
     if not parts:
         return {"step_ms": {"actual": None, "ideal": None, "measured": None}, "slowdown": None,
                 "by_rank": [], "by_phase": [], "by_rank_phase": [], "steps": 0, "sync": list(sync)}
@@ -256,7 +265,16 @@ def whatif(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = 
     }
 
 
-def _group_scenarios(group: list[ProcessState], sync: Sequence[str], window: Window | None
-                     ) -> tuple[SyncTable, Scenarios] | None:
-    table = sync_table(group, sync, window)
+def _clock(run: Run) -> Clock | None:
+    """The run's clock estimate when it aligns hosts (or ``--no-align`` asked for raw clocks); None for
+    one host, or hosts without a shared collective (the per-host median shift then)."""
+    if len({d.host for d in run.processes}) < 2:
+        return None
+    clock = next((g.clock for g in run.comm.values() if g.clock is not None), None)
+    return clock if clock is not None and (clock.applied or clock.raw) else None
+
+
+def _group_scenarios(group: list[ProcessState], sync: Sequence[str], window: Window | None,
+                     clock: Clock | None = None) -> tuple[SyncTable, Scenarios] | None:
+    table = sync_table(group, sync, window, clock)
     return None if table is None else (table, scenarios(table))

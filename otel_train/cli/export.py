@@ -59,6 +59,11 @@ def export(
         help="Flight Recorder dumps (a file or a directory; pickle or JSON, any name holding the rank) merged "
              "with the trace's comm ops (default <run>/flight_recorder/).",
     ),
+    no_align: bool = typer.Option(
+        False, "--no-align",
+        help="Keep every host's raw clock (default: hosts aligned to the reference host's clock, each moved "
+             "record's own time in its args as raw_ts; docs/clock.md).",
+    ),
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
@@ -73,7 +78,8 @@ def export(
             reader = Reader(warn=warn, progress=progress)
             if fr is not None and not fr.exists():
                 warn(f"warning: --fr {fr}: no such file or directory; exporting without Flight Recorder dumps")
-            result = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader, fr=fr)
+            result = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader, fr=fr,
+                                align=not no_align)
         note_malformed(result.malformed_lines)
         if result.processes == 0:
             warn("warning: no process matched --ranks; the trace is empty")
@@ -83,3 +89,7 @@ def export(
             + (f", {result.flows} comm flows" if result.flows else "")
             + (f", {result.dump_ops} ops from Flight Recorder dumps" if result.dump_ops else "")
         )
+        clock = result.clock
+        if clock is not None and clock.applied and fmt in ("chrome", "perfetto"):
+            moved = ", ".join(f"{r['host']} {r['offset_ms']:+.3f} ms" for r in clock.rows()[1:])
+            typer.echo(f"clocks aligned to host {clock.reference}: {moved} (raw times in args raw_ts; --no-align: raw)")

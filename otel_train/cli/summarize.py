@@ -32,15 +32,20 @@ def summarize(
         help="Flight Recorder dumps (a file or a directory; pickle or JSON, any name holding the rank) merged "
              "with the trace's comm ops (default: the run's fr_dir, <run>/flight_recorder/).",
     ),
+    no_align: bool = typer.Option(
+        False, "--no-align",
+        help="Compare hosts on their raw clocks: no offset is estimated or applied (docs/clock.md).",
+    ),
 ) -> None:
     """Which rank stopped where, per-phase timings, and findings (hang, crash, desync, error, straggler, restart)."""
     with cli_errors():
         if fr is not None and not fr.exists():
             warn(f"warning: --fr {fr}: no such file or directory; summarizing without Flight Recorder dumps")
         if fast:
-            summary = summarize_fast(path, warn=warn, fr=fr)
+            summary = summarize_fast(path, warn=warn, fr=fr, align=not no_align)
         else:
             run = load(path)
+            run.align = not no_align
             summary = summarize_run(with_dumps(run, fr if fr is not None else default_fr(path, run), warn))
         if as_json:
             print_json(summary)
@@ -96,10 +101,34 @@ def _render(summary: dict[str, Any], out: Console) -> None:
         out.print("Phases: not read (--fast reads only each file's tail; the run wrote no digests)")
     else:
         _render_phases(summary["phases"], out)
+    _render_clock(summary, out)
     if summary.get("goodput"):
         _render_goodput(summary["goodput"], out)
     if summary["malformed_lines"]:
         out.print(f"malformed lines skipped: {summary['malformed_lines']}")
+
+
+def _render_clock(summary: dict[str, Any], out: Console) -> None:
+    """Never correct silently: with more than one host, say how each host's clock was taken."""
+    hosts = sorted({p["host"] for p in summary["processes"] if p["host"] is not None})
+    if len(hosts) < 2:
+        return
+    rows = summary.get("clock") or []
+    if not rows:
+        out.print(f"Clocks: {len(hosts)} hosts, not aligned (--no-align, or no blocking collective across hosts "
+                  "to align them by): times across hosts are each host's raw clock")
+        return
+    table = Table(title=f"Clocks: aligned to host {rows[0]['host']} (the reference; --no-align: raw clocks)",
+                  title_justify="left")
+    for col in ("host", "offset (ms)", "drift (ppm)", "residual (ms)", "samples"):
+        table.add_column(col, justify="left" if col == "host" else "right")
+    for r in rows:
+        table.add_row(r["host"], f"{r['offset_ms']:+.3f}", f"{r['drift_ppm']:+.1f}", f"{r['residual_ms']:.3f}",
+                      str(r["samples"]))
+    out.print(table)
+    missing = [h for h in hosts if h not in {r["host"] for r in rows}]
+    if missing:
+        out.print(f"not aligned (no collective shared with the others): {', '.join(missing)}", markup=False)
 
 
 def _render_phases(rows: list[dict[str, Any]], out: Console) -> None:

@@ -46,6 +46,10 @@ def watch(
         help="Flight Recorder dumps (a file or a directory) merged with the trace's comm ops as they appear "
              "(default <run>/flight_recorder/).",
     ),
+    no_align: bool = typer.Option(
+        False, "--no-align",
+        help="Compare hosts on their raw clocks: nothing estimated from the collectives or file times (docs/clock.md).",
+    ),
 ) -> None:
     """Follow a run as it is written: a live table, findings (hang, crash, error, straggler, restart) as they happen."""
     with cli_errors():
@@ -56,7 +60,8 @@ def watch(
         if path.exists() and not path.is_dir():
             raise TraceReadError(f"{path}: not a directory; pass a run directory or its structured_logs/")
         fr_path = fr if fr is not None else (path.parent if path.name == STRUCTURED_LOGS_DIR else path) / FR_DIR
-        live = LiveRun(path, warn=warn, stacks=stacks, fr=fr_path, read_fr=partial(read_fr, warn=warn))
+        live = LiveRun(path, warn=warn, stacks=stacks, fr=fr_path, read_fr=partial(read_fr, warn=warn),
+                       align=not no_align)
         hooks = _Hooks(on_finding)
         view = _JsonLines() if as_json else _Table(live)
         try:

@@ -25,11 +25,15 @@ def whatif(
     as_json: bool = typer.Option(False, "--json", help="Print the answer as one JSON object."),
     sync: str = typer.Option(",".join(SYNC_PHASES), "--sync", metavar="PHASE,…",
                              help="Phases that end with a collective (data parallel: backward's all-reduce)."),
+    no_align: bool = typer.Option(False, "--no-align",
+                                  help="Compare hosts on their raw clocks, not the estimate (docs/clock.md)."),
 ) -> None:
     """How much faster each step would be with each rank, and each phase, made typical (replayed
     through the synchronisation the spans show: every rank waits for the slowest at each collective)."""
     with cli_errors():
-        result = whatif_run(load(path), sync=[s.strip() for s in sync.split(",") if s.strip()])
+        run = load(path)
+        run.align = not no_align
+        result = whatif_run(run, sync=[s.strip() for s in sync.split(",") if s.strip()])
         if as_json:
             print_json(result)
         else:

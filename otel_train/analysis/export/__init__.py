@@ -20,12 +20,14 @@ from types import ModuleType
 from typing import IO
 
 from otel_train import _modes, schema
+from otel_train.analysis.clock import Clock
 from otel_train.analysis.export import chrome, perfetto
 from otel_train.analysis.export.flows import CommPlan, ProcessMarks, comm_plan
 from otel_train.analysis.export.layout import Counts, ProcessLayout, layout_process
 from otel_train.analysis.records import Head, ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
 from otel_train.analysis.summary import default_fr  # noqa: F401 - the default dump folder, also for export
-from otel_train.analysis.spans import PARALLEL_MIN_BYTES, iter_processes, pool_context, process_order, read_process
+from otel_train.analysis.spans import (PARALLEL_MIN_BYTES, ProcessState, iter_processes, pool_context, process_order,
+                                       read_process)
 
 FORMATS = ("chrome", "perfetto", "otlp-json")
 ANALYSIS_DIR = "analysis"
@@ -35,7 +37,9 @@ _RENDERERS: dict[str, ModuleType] = {"chrome": chrome, "perfetto": perfetto}
 """Formats written one laid-out process at a time: ``HEAD``, then ``render(layout, origin_us, file)`` per
 process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malformed_lines)``."""
 
-Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None"]
+Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None", "Clock | None"]
+RAW_TS = "raw_ts"
+"""The arg holding a record's own time (Unix s) where the export moved it onto the reference clock."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,7 @@ class ExportResult:
     malformed_lines: int = 0
     flows: int = 0  # flow arrows between comm spans (a collective of n members: n - 1; a send -> recv: 1)
     dump_ops: int = 0  # ops read from Flight Recorder dumps
+    clock: Clock | None = None  # the hosts' clocks the times were aligned to (docs/clock.md)
 
 
 def default_output(path: str | Path, fmt: str = "chrome") -> Path:
@@ -69,10 +74,14 @@ def export(
     reader: Reader | None = None,
     workers: int | None = None,
     fr: str | Path | None = None,
+    align: bool = True,
 ) -> ExportResult:
     """Write the run at ``path`` as ``fmt`` (one of :data:`FORMATS`) to ``output`` (default:
     :func:`default_output`); only ``ranks`` and steps ``lo..hi`` when given. ``fr``: Flight Recorder
     dumps to merge (default: the run's ``fr_dir``, ``<run>/flight_recorder/``, when it exists).
+    ``align`` (chrome, perfetto): every host's times on the reference host's clock, estimated from the
+    collectives (docs/clock.md), each moved record keeping its own time in its args (``raw_ts``);
+    False: the raw clocks.
 
     Raises TraceReadError when ``path`` holds no trace files, ValueError for an unknown format. The
     file is written next to ``output`` and renamed into place, so a failed export leaves no torn file.
@@ -82,7 +91,7 @@ def export(
         raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(FORMATS)}")
     reader = reader if reader is not None else Reader()
     out = Path(output) if output is not None else default_output(path, fmt)
-    origin_us = int(trace_origin(path, ranks) * 1e6)
+    origin = trace_origin(path, ranks)
     _modes.make_dirs(out.parent)  # 0755 at most, whatever the umask (otel_train._modes)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     plan = CommPlan()
@@ -91,7 +100,8 @@ def export(
         with tmp.open("wb", buffering=1 << 20) as f:
             if fmt in _RENDERERS:
                 order = process_order(path, ranks, reader.bad.warn)
-                plan = comm_plan(path, order, None if fr is None else Path(fr), reader.bad.warn)
+                plan = comm_plan(path, order, None if fr is None else Path(fr), reader.bad.warn, align)
+                origin_us = int(_aligned_origin(origin, plan.clock) * 1e6)
                 counts = _write_rendered(_RENDERERS[fmt], fmt, order, plan, f, origin_us, reader, steps, workers)
             else:
                 from otel_train.analysis.export import otlp_json  # the OTel/protobuf stack: only when asked
@@ -105,7 +115,7 @@ def export(
     finally:
         tmp.unlink(missing_ok=True)
     dump_ops = len(plan.dumps.ops) if plan.dumps is not None else 0
-    return ExportResult(*counts, out, reader.malformed_lines, plan.flows, dump_ops)
+    return ExportResult(*counts, out, reader.malformed_lines, plan.flows, dump_ops, plan.clock)
 
 
 
@@ -122,6 +132,35 @@ def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:
         for rec in peek(pf):
             best = min(best, rec.began() if type(rec) is SpanEnd else rec.ts)
     return 0.0 if best == math.inf else best
+
+
+def _aligned_origin(origin: float, clock: Clock | None) -> float:
+    """The trace's origin at or before every aligned time: a host whose clock is ahead moves back."""
+    if clock is None or not clock.applied:
+        return origin
+    return origin - max(0.0, *(clock.shift(h, origin) for h in clock.hosts))
+
+
+def align_state(state: ProcessState, clock: Clock | None) -> bool:
+    """Move a read process onto the reference clock (spans, instants, counters, its last record),
+    each span and instant keeping its own time in ``raw_ts``; False when nothing moves (one host,
+    the reference host, a host not estimated, ``--no-align``)."""
+    host = state.host
+    if clock is None or not clock.applied or host not in clock.hosts or host == clock.reference:
+        return False
+    at = clock.align
+    for span in state.spans:
+        raw = span.start_ts
+        span.start_ts = at(host, raw)  # type: ignore[assignment]
+        span.end_ts = at(host, span.end_ts)
+        span.attrs = {**(span.attrs or {}), RAW_TS: raw}
+    for rec in state.instants:
+        rec.attrs = {**(rec.attrs or {}), RAW_TS: rec.ts}
+        rec.ts = at(host, rec.ts)  # type: ignore[assignment]
+    for rec in state.scalars:
+        rec.ts = at(host, rec.ts)  # type: ignore[assignment]
+    state.last_ts = at(host, state.last_ts)
+    return True
 
 
 def _write_rendered(
@@ -143,7 +182,7 @@ def _write_rendered(
     totals = Counts(0, 0, 0, 0)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
         for index, (pf, attempt, meta) in enumerate(order):
-            lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt))
+            lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt), plan.clock)
             if lay is not None:
                 if totals.processes:
                     f.write(renderer.SEPARATOR)
@@ -156,7 +195,7 @@ def _write_rendered(
                 shutil.copyfileobj(src, f, 1 << 20)
             os.unlink(part)
             totals = _add(totals, counts)
-    f.write(renderer.tail(origin_us, totals.processes, reader.malformed_lines))
+    f.write(renderer.tail(origin_us, totals.processes, reader.malformed_lines, clock=plan.clock))
     return totals
 
 
@@ -165,18 +204,23 @@ def _add(a: Counts, b: Counts) -> Counts:
 
 
 def _layout(pf: ProcessFiles, attempt: int, index: int, reader: Reader, steps: tuple[int, int] | None,
-            meta: Head | None = None, marks: ProcessMarks | None = None) -> ProcessLayout | None:
+            meta: Head | None = None, marks: ProcessMarks | None = None, clock: Clock | None = None
+            ) -> ProcessLayout | None:
     """One process read and laid out (None without a valid record), with its comm marks (the ops only a
-    dump saw, culprit instants, flows). Only the layout is returned: the records are freed before
-    anything is written."""
+    dump saw, culprit instants, flows), on the reference clock (``clock``). Only the layout is
+    returned: the records are freed before anything is written."""
     state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
     if not state.records:
         return None
-    if marks is None:
-        return layout_process(state, index)
-    state.spans.extend(marks.extra_spans)
-    state.instants.extend(marks.instants)
-    return layout_process(state, index, marks.spans)
+    if marks is not None:
+        state.spans.extend(marks.extra_spans)
+        state.instants.extend(marks.instants)
+    moved = align_state(state, clock)
+    lay = layout_process(state, index, marks.spans if marks is not None else None)
+    if moved and clock is not None:
+        hc = clock.hosts[state.host]  # type: ignore[index]
+        lay.labels += f", clock {hc.offset_s * 1e3:+.3f} ms {hc.drift * 1e6:+.1f} ppm aligned to {clock.reference}"
+    return lay
 
 
 def _pooled(
@@ -194,7 +238,7 @@ def _pooled(
     pool of ``workers - 1`` processes and by this one (see :class:`_Schedule`)."""
     stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
     tasks: list[Task] = [(pf, attempt, index, origin_us, steps, fmt, f"{stem}{index}",
-                          plan.of(pf.source, pf.rank, attempt)) for index, (pf, attempt, _) in enumerate(order)]
+                          plan.of(pf.source, pf.rank, attempt), plan.clock) for index, (pf, attempt, _) in enumerate(order)]
     try:
         with ProcessPoolExecutor(workers - 1, mp_context=pool_context()) as pool:
             schedule = _Schedule(pool, tasks, 2 * (workers - 1))  # one running, one waiting per worker
@@ -236,10 +280,10 @@ class _Schedule:
 
 def _render_task(task: Task) -> tuple[Counts, int, list[str], str | None]:
     """Worker: read, lay out and render one process into a part file; (counts, malformed, warnings, part)."""
-    pf, attempt, index, origin_us, steps, fmt, part, marks = task
+    pf, attempt, index, origin_us, steps, fmt, part, marks, clock = task
     warnings: list[str] = []
     reader = Reader(warn=warnings.append)
-    lay = _layout(pf, attempt, index, reader, steps, marks=marks)
+    lay = _layout(pf, attempt, index, reader, steps, marks=marks, clock=clock)
     if lay is None:
         return Counts(0, 0, 0, 0), reader.malformed_lines, warnings, None
     with open(part, "wb", buffering=1 << 20) as out:

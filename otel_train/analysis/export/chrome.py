@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from itertools import chain
-from typing import IO
+from typing import IO, Any
 
 import msgspec
 import numpy as np
@@ -52,8 +52,9 @@ def render(lay: ProcessLayout, origin_us: int, out: IO[bytes]) -> Counts:
     return Counts(len(lay.spans.start_us), len(lay.instants.ts_us), len(lay.counters.ts_us), 1)
 
 
-def tail(origin_us: int, processes: int, malformed: int) -> bytes:
-    """What closes the file: ``otherData`` with the trace start, process and malformed-line counts."""
+def tail(origin_us: int, processes: int, malformed: int, clock: Any = None) -> bytes:
+    """What closes the file: ``otherData`` with the trace start, process and malformed-line counts, and
+    the clock offsets applied (docs/clock.md)."""
     other = {
         "generator": f"otel-train {__version__}",
         "trace_start_unix_us": origin_us,
@@ -61,6 +62,7 @@ def tail(origin_us: int, processes: int, malformed: int) -> bytes:
         "time_unit": "us since trace_start_unix_us",
         "processes": processes,
         "malformed_lines": malformed,
+        "clock": clock.metadata() if clock is not None else {"aligned": False, "hosts": []},
     }
     return b'\n],"otherData":' + _encode(other) + b"}\n"
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from otel_train import schema
 from otel_train.analysis.export.layout import COMM_TID
 from otel_train.analysis.comm import SOURCE_FR, CommGraph, CommOp
+from otel_train.analysis.clock import Clock
 from otel_train.analysis.flight_recorder import FlightRecorderDumps, read_dumps
 from otel_train.analysis.records import BadLines, Head, Instant, ProcessFiles, Warn, decode_chunk, open_regular
 from otel_train.analysis.findings import CRASH, DESYNC, HANG, findings
@@ -74,18 +75,21 @@ class CommPlan:
     marks: dict[Key, ProcessMarks] = field(default_factory=dict)
     flows: int = 0
     dumps: FlightRecorderDumps | None = None
+    clock: Clock | None = None  # the hosts' clocks the export aligns to (docs/clock.md)
 
     def of(self, source: str, rank: int, attempt: int) -> ProcessMarks | None:
         return self.marks.get((source, rank, attempt))
 
 
 def comm_plan(path: str | Path, order: list[tuple[ProcessFiles, int, Head | None]], fr: Path | None,
-              warn: Warn) -> CommPlan:
+              warn: Warn, align: bool = True) -> CommPlan:
     """The marks of the processes in ``order`` (the exported ones:
     :func:`~otel_train.analysis.spans.process_order`), from the comm records of every process of the run
-    at ``path`` and the Flight Recorder dumps under ``fr`` (default: the run's ``fr_dir``)."""
+    at ``path`` and the Flight Recorder dumps under ``fr`` (default: the run's ``fr_dir``), and the
+    hosts' clocks (``align``: estimated from those records; else raw)."""
     everyone = process_order(path, warn=_quiet)
     run = Run([s for s in (scan_comm(pf, attempt, meta) for pf, attempt, meta in everyone) if s.records])
+    run.align = align
     plan = CommPlan()
     fr = fr if fr is not None else default_fr(path, run)
     if fr.exists():
@@ -97,6 +101,7 @@ def comm_plan(path: str | Path, order: list[tuple[ProcessFiles, int, Head | None
     ids = itertools.count(1)
     for graph in run.comm.values():
         _mark_graph(plan, graph, ids, exported)
+        plan.clock = graph.clock
     if any(g.desynced or any(op.waiting for op in g.all_ops()) for g in run.comm.values()):
         _mark_culprits(plan, path, run, exported)
     return plan
@@ -174,10 +179,10 @@ def _mark_graph(plan: CommPlan, graph: CommGraph, ids: Iterator[int], exported: 
         if op.source == SOURCE_FR and op.span_id is None and (pm := marks(op.rank)) is not None:
             pm.extra_spans.append(dump_span(op))
     for members in graph.collectives.values():
-        _chain(plan, [o for o in members.values() if marks(o.rank) is not None], ids, marks)
+        _chain(plan, [o for o in members.values() if marks(o.rank) is not None], ids, marks, graph.at)
     for send, recv in graph.p2p.values():
         if send is not None and recv is not None and marks(send.rank) and marks(recv.rank):
-            _chain(plan, [send, recv], ids, marks)
+            _chain(plan, [send, recv], ids, marks, graph.at)
     for arrival in graph.arrivals():
         op = graph.collectives[(arrival.group, arrival.seq)][arrival.last]
         pm = marks(op.rank)
@@ -186,11 +191,12 @@ def _mark_graph(plan: CommPlan, graph: CommGraph, ids: Iterator[int], exported: 
             pm.spans[sid] = _replace(pm.spans.get(sid, SpanMark()), last_arrival=True)
 
 
-def _chain(plan: CommPlan, ops: list[CommOp], ids: Iterator[int], marks) -> None:
-    """One flow through ``ops`` in the order a trace processor reads them (whole µs of the start, then
-    process order, which is rank order within a graph): out of the first, through the middle, into the
-    last. A flow only goes forward in that order, so a recv posted before its send is the flow's start."""
-    ops = sorted((o for o in ops if o.start is not None), key=lambda o: (math.floor(o.start * 1e6 + 0.5), o.rank))
+def _chain(plan: CommPlan, ops: list[CommOp], ids: Iterator[int], marks, at) -> None:
+    """One flow through ``ops`` in the order a trace processor reads them (whole µs of the exported,
+    aligned start ``at(op)``, then process order, which is rank order within a graph): out of the
+    first, through the middle, into the last. A flow only goes forward in that order, so a recv
+    posted before its send is the flow's start."""
+    ops = sorted((o for o in ops if o.start is not None), key=lambda o: (math.floor(at(o) * 1e6 + 0.5), o.rank))
     if len(ops) < 2:
         return
     flow = next(ids)
@@ -235,7 +241,7 @@ def _mark_culprits(plan: CommPlan, path: str | Path, scanned: Run, exported: set
     desyncs (the one findings module, on the whole run read once more: only a run whose comm graph has
     a rank waiting or a desync pays for it), at the first waiter's arrival (a desync: its own op)."""
     run = load_run(path, warn=_quiet)
-    run.extra_ops, run.extra_groups = scanned.extra_ops, scanned.extra_groups
+    run.extra_ops, run.extra_groups, run.align = scanned.extra_ops, scanned.extra_groups, scanned.align
     source_of = {(d.rank, d.attempt): d.source for d in run.processes}
     for found in findings(run, stragglers=False):
         comm = found.get("comm")
@@ -253,13 +259,16 @@ def _mark_culprits(plan: CommPlan, path: str | Path, scanned: Run, exported: set
 
 
 def _mark_ts(graph: CommGraph, comm: dict, rank: int) -> float | None:
-    """When to mark: a desync at the culprit's op, a hang when the first waiter arrived."""
+    """When to mark, on the culprit's own clock (the export aligns it with the rest of its process):
+    a desync at the culprit's op, a hang when the first waiter arrived (on the reference clock)."""
     group, seq = comm.get("group"), comm.get("seq")
     ops = [op for op in graph.all_ops() if op.group == group and op.seq == seq and op.start is not None]
     own = [op.start for op in ops if op.rank == rank]
     if comm.get("op") and own and rank not in comm.get("waiting", ()) and rank not in comm.get("missing", ()):
         return min(own)  # type: ignore[type-var]
-    waiting = [op.start for op in ops if op.rank in comm.get("waiting", ())]
+    waiting = [graph.at(op) for op in ops if op.rank in comm.get("waiting", ())]
+    if waiting and graph.clock is not None:
+        return graph.clock.to_host(graph.hosts.get(rank), min(waiting))  # type: ignore[type-var]
     return min(waiting or own or [None], key=lambda t: t or 0.0)  # type: ignore[type-var]
 
 

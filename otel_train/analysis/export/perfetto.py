@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import IO, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -285,8 +285,9 @@ def render(lay: ProcessLayout, origin_us: int, out: IO[bytes]) -> Counts:
     return Counts(len(lay.spans.start_us), len(lay.instants.ts_us), len(lay.counters.ts_us), 1)
 
 
-def tail(origin_us: int, processes: int, malformed: int) -> bytes:
-    """Nothing: the stream ends with the last process's packets."""
+def tail(origin_us: int, processes: int, malformed: int, clock: Any = None) -> bytes:
+    """Nothing: the stream ends with the last process's packets (a moved host's offsets are in its
+    process name: docs/clock.md)."""
     return b""
 
 
