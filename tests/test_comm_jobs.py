@@ -272,3 +272,43 @@ def test_a_rank_waiting_in_an_op_shows_an_open_comm_span_within_a_second(tmp_pat
         group, seq = waiting["attrs"][S.ATTR_COMM_GROUP], waiting["attrs"][S.ATTR_COMM_SEQ]
         entry = next(e for e in dump["entries"] if e["process_group"][0] == group and e["collective_seq_id"] == seq)
         assert entry["profiling_name"] == "gloo:all_reduce" and not entry["retired"]
+
+
+P2P_BEFORE_INIT = '''
+import os, sys
+import torch, torch.distributed as dist
+import otel_train as ot
+dist.init_process_group("gloo")
+rank, peer = dist.get_rank(), 1 - dist.get_rank()
+sent, got = torch.full((5,), float(rank)), torch.zeros(5)
+ops = [dist.P2POp(dist.isend, sent, peer), dist.P2POp(dist.irecv, got, peer)]  # the originals: before init
+ot.init(save_path=sys.argv[1], enabled=True)
+with ot.training_step(0):
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    assert got.tolist() == [float(peer)] * 5
+    if rank == 0:
+        dist.send(torch.ones(2, dtype=torch.int64), 1)
+    else:
+        dist.recv(torch.zeros(2, dtype=torch.int64))  # from any source: the sender is the peer
+ot.shutdown()
+dist.destroy_process_group()
+'''
+
+
+def test_p2p_ops_made_before_init_are_recorded_and_matched(tmp_path: Path) -> None:
+    script = tmp_path / "p2p.py"
+    script.write_text(P2P_BEFORE_INIT)
+    save = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), str(save)]
+    done = subprocess.run(cmd, cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=240,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    runs = by_rank(save)
+    check_comm(runs, 2)
+    assert check_p2p(runs) == 3  # the batch: 0 -> 1 and 1 -> 0; then 0 -> 1 once more
+    for rank, recs in runs.items():
+        spans = [(s["name"], s["attrs"][S.ATTR_COMM_SEQ], s["attrs"][S.ATTR_COMM_PEER]) for s, _ in comm_spans(recs)]
+        peer = 1 - rank
+        last = ("comm.send", 2, 1) if rank == 0 else ("comm.recv", 2, 0)
+        assert sorted(spans) == sorted([("comm.send", 1, peer), ("comm.recv", 1, peer), last])

@@ -143,7 +143,11 @@ class NoteMaker:
     def finish(self, note: Note, spec: Spec, result: Any, args: tuple[Any, ...]) -> None:
         try:
             if type(result) is int and spec.op == "recv" and note.peer is None:
-                note.peer = result  # recv from any source: the sender
+                # A recv from any source: now the sender is known, count it under the sender.
+                recvs = note.group.recvs
+                recvs[-1] = max(0, recvs.get(-1, 1) - 1)
+                note.seq = recvs[result] = recvs.get(result, 0) + 1
+                note.peer = result
             if isinstance(result, self._work_type):
                 self._when_done(note, spec, result)
             elif result is None and spec.always_async and getattr(self._batch, "notes", None) is not None:

@@ -226,6 +226,9 @@ class Recorder:
         still = []
         for note, span in self._running:
             if note.end_ns or self._work_done(note):
+                if note.op == "recv" and note.peer is not None:  # from any source: known once it returned
+                    span.set_attribute(S.ATTR_COMM_PEER, note.peer)
+                    span.set_attribute(S.ATTR_COMM_SEQ, note.seq)
                 self._end(span, note.end_ns, note.error)
             else:
                 still.append((note, span))
