@@ -9,7 +9,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 DEMO   := runs/demo
 
-.PHONY: install demo demo-clean test bench chromium phoenix clean
+.PHONY: install demo demo-clean images test bench chromium phoenix clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,14 @@ demo-clean: install
 	@ls -l $(DEMO)/clean/structured_logs/
 	@echo "Perfetto trace:  $(DEMO)/clean/analysis/structured_trace.json"
 	@echo "Open it at https://ui.perfetto.dev (Open trace file), or offline: $(BIN)/vizviewer $(DEMO)/clean/analysis/structured_trace.json"
+
+# The README's picture: the demo's straggler run in the real Perfetto UI (tests/test_perfetto_ui.py).
+images: install chromium
+	test -d $(DEMO)/straggler/structured_logs || $(BIN)/python examples/demo.py --out $(DEMO) --only straggler
+	$(BIN)/otel-train export $(DEMO)/straggler --steps 20-21 --output $(DEMO)/straggler/analysis/steps-20-21.json
+	mkdir -p docs/images
+	OTEL_TRAIN_IMAGES=docs/images OTEL_TRAIN_DEMO_TRACE=$(DEMO)/straggler/analysis/steps-20-21.json \
+	  $(BIN)/python -m pytest -q tests/test_perfetto_ui.py -k pictures
 
 test: install chromium phoenix
 	$(BIN)/python -m pytest -q

@@ -161,3 +161,52 @@ def test_perfetto_ui_shows_comm_flows(fmt: str, ui_server, browser, tmp_path: Pa
         assert sql(page, bad, "n_bad") == 0
     finally:
         page.close()
+
+
+def _demo_trace(tmp_path: Path) -> Path:
+    """The trace to picture: ``OTEL_TRAIN_DEMO_TRACE`` (``make images`` passes the demo's straggler run),
+    else a small real torchrun job of the same kind (2 ranks, rank 1 slow in data_fetch)."""
+    import os
+    import subprocess
+    import sys
+
+    given = os.environ.get("OTEL_TRAIN_DEMO_TRACE")
+    if given:
+        return Path(given)
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | {"OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
+                    "--save-path", str(tmp_path / "run"), "--steps", "8", "--eval-every", "0", "--checkpoint-every",
+                    "0", "--hidden", "64", "--slow-rank", "1", "--slow-ms", "30"],
+                   check=True, capture_output=True, timeout=240, env=env)
+    return export(tmp_path / "run", "chrome", tmp_path / "trace.json", steps=(4, 5)).output
+
+
+def test_perfetto_ui_pictures_a_real_job_with_its_collectives(ui_server, browser, tmp_path: Path) -> None:
+    """A real DDP job's trace in the UI: its collectives are on comm tracks joined by flows. The
+    screenshot is the README's picture when ``OTEL_TRAIN_IMAGES`` names a folder (``make images``)."""
+    import os
+
+    url, handler = ui_server
+    handler.trace = _demo_trace(tmp_path)
+    page = browser.new_page(viewport={"width": 1600, "height": 1700})
+    try:
+        page.goto(url)
+        page.get_by_text("rank 0").first.wait_for(timeout=LOAD_TIMEOUT_MS)
+        assert sql(page, "select count(*) as n_flows from flow", "n_flows") > 0
+        assert sql(page, "select count(*) as n_ar from slice where name = 'comm.all_reduce'", "n_ar") > 0
+        page.keyboard.press("Escape")
+        close = page.locator("[class*=tab] button, [class*=tab] .pf-button").filter(has_text="close")
+        if close.count():
+            close.first.click()
+        page.keyboard.press("q")  # hide the bottom drawer (Perfetto's shortcut)
+        for rank in range(4):  # open every rank's tracks (the test's own job has 2)
+            header = page.get_by_text(f"rank {rank} ", exact=False)
+            if header.count():
+                header.first.click()
+        page.wait_for_timeout(1000)
+        shot = Path(os.environ.get("OTEL_TRAIN_IMAGES") or tmp_path) / "perfetto-demo.png"
+        page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 10_000
+    finally:
+        page.close()
