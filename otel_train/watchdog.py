@@ -44,6 +44,13 @@ MAX_QUEUED_SPANS = 8192
 """Ended spans kept for the next look; beyond, the oldest are dropped: above ~8,000 spans a second the
 sketch counts a sample, which bounds what counting costs the process (it holds the GIL) per look."""
 
+MAX_NAMES = 1024
+"""Span names whose durations a process tracks one by one (the bucket included). Each costs ~18 KB
+(``sketch.BUCKETS`` counts), so the cap bounds the sketch at ~18 MB whatever the names; the spans of
+names past it are counted together under :data:`OTHER_NAMES` (docs/schema.md, "Digests")."""
+OTHER_NAMES = "otel_train.other_names"
+"""The bucket of the names past :data:`MAX_NAMES`, as a digest's ``phases`` shows it."""
+
 _log = math.log
 
 
@@ -55,18 +62,34 @@ class DurationSketch:
     (through :meth:`count`), :meth:`quantile` and :meth:`snapshot` (for the digest), which read copies.
     """
 
-    __slots__ = ("_buckets", "_totals")
+    __slots__ = ("_buckets", "_totals", "folded")
 
     def __init__(self) -> None:
         self._buckets: dict[str, list[int]] = {}
         self._totals: dict[str, list[int]] = {}  # name -> [sum ns, max ns]
+        self.folded = 0
+        """Spans counted under :data:`OTHER_NAMES` because their name came past the cap."""
 
     def _slots(self, name: str) -> tuple[list[int], list[int]]:
         counts = self._buckets.get(name)
         if counts is None:
+            if len(self._buckets) >= MAX_NAMES - 1:  # one slot of the cap is the bucket's
+                return self._fold()
             counts = self._buckets[name] = [0] * sketch.BUCKETS
             self._totals[name] = [0, 0]
         return counts, self._totals[name]
+
+    def _fold(self) -> tuple[list[int], list[int]]:
+        counts = self._buckets.get(OTHER_NAMES)
+        if counts is None:
+            counts = self._buckets[OTHER_NAMES] = [0] * sketch.BUCKETS
+            self._totals[OTHER_NAMES] = [0, 0]
+            _report.report("span names past the cap",
+                           f"more than {MAX_NAMES - 1} distinct span names in this process: the durations of "
+                           f"the rest are counted together as {OTHER_NAMES!r} (in the digest), and their stall "
+                           "threshold is stall_min_s x stall_factor; the trace file keeps every span")
+        self.folded += 1
+        return counts, self._totals[OTHER_NAMES]
 
     def add(self, name: str, dur_ns: int) -> None:
         """Count one closed span of ``name`` that lasted ``dur_ns`` nanoseconds."""
@@ -85,6 +108,8 @@ class DurationSketch:
             if span._name is not last:
                 last = span._name
                 counts, totals = self._slots(last)
+            elif last not in self._buckets:  # a run of one name past the cap: each span is counted
+                self.folded += 1
             dur = span._end_time - span._start_time
             counts[int(log(dur + 1) * inv)] += 1  # type: ignore[index]
             totals[0] += dur  # type: ignore[index]
@@ -94,7 +119,7 @@ class DurationSketch:
     def quantile(self, name: str, q: float) -> tuple[int, float | None]:
         """(count, the ``q`` quantile in seconds, or None without durations) of ``name`` so far."""
         counts = self._buckets.get(name)
-        if counts is None:
+        if counts is None or name == OTHER_NAMES:  # the bucket mixes names: no p99 of any one
             return 0, None
         total, index = sketch.quantile_index(enumerate(counts[:]), q)  # a C-level copy: consistent
         # The bucket's upper edge: a threshold errs on the late side, never on a false stall.
