@@ -32,6 +32,27 @@ def _tighten_dir(path: str) -> None:
         os.close(fd)
 
 
+def foreign(path: str | os.PathLike[str]) -> str | None:
+    """Why the existing directory ``path`` is not safe to write into, or None (also when it does not exist).
+
+    Unsafe: writable by others (``o+w``, sticky bit or not), or owned by a user other than this one and
+    root. Whoever can write into a directory can plant a link at a name this process later creates;
+    files are opened ``O_NOFOLLOW`` and temporaries ``O_EXCL``, but a run directory another user controls
+    is refused at ``init`` all the same (setting ``allow_shared_dir``; docs/settings.md).
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    if st.st_mode & stat.S_IWOTH:
+        return f"it is writable by every user (mode {stat.S_IMODE(st.st_mode):04o})"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"it is owned by another user (uid {st.st_uid}; this process runs as uid {os.geteuid()})"
+    return None
+
+
 def make_dirs(path: str | os.PathLike[str]) -> None:
     """``path`` and its missing parents, each one this call creates made 0755 at most; raises OSError."""
     path = os.path.abspath(os.fspath(path))

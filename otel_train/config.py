@@ -74,6 +74,7 @@ class Settings:
     stall_min_s: float = 10.0
     stall_factor: float = 5.0
     redact: tuple[str, ...] = ()
+    allow_shared_dir: bool = False
     collectives: str = "auto"
     fr_dir: str | None = None  # None: <save_path>/flight_recorder (see fr_path)
     host: str | None = None  # None: socket.gethostname() (the host records carry; docs/clock.md)
@@ -286,6 +287,7 @@ _FIELDS: dict[str, _Field] = {
     "collectives": _Field(_choice(COLLECTIVES), "one of auto, on, off (docs/comm.md)"),
     "fr_dir": _Field(_optional(_path), "a non-empty directory path without NUL bytes"),
     "host": _Field(_optional(_text), "a non-empty host name on one line"),
+    "allow_shared_dir": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
     "redact": _Field(_redact, "a comma list of more secret name parts (e.g. WANDB) and 're:<regex>' value patterns"),
 }
 

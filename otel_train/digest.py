@@ -6,12 +6,14 @@ shutdown: the per-name duration sketch (``otel_train.sketch``: counts, ±1 % qua
 across ranks), and, taken at one instant under the write lock, the record count, the file's inode and
 size, and every open span. With the records after that size a reader knows every span open at the
 end, however long ago it began (docs/analysis.md, "Fast summarize and digests"). Written to a temporary file and renamed
-into place, so a kill mid-write leaves the previous digest whole.
+into place, so a kill mid-write leaves the previous digest whole; the temporary's name is random and it is
+made ``O_EXCL | O_NOFOLLOW``, so a link planted in the directory is never written through.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from typing import Any
 
@@ -32,7 +34,6 @@ class DigestWriter:
 
     def __init__(self, trace_file: str, every_s: float) -> None:
         self.path = S.digest_file_name(trace_file)
-        self._tmp = os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
         self._every_s = every_s
         self._last = time.monotonic()
         self._last_seq = -1
@@ -58,12 +59,28 @@ class DigestWriter:
                 "gamma": GAMMA, "phases": sketch.snapshot(),
             }
             _modes.make_dirs(os.path.dirname(self.path))  # made here: the run dir may be re-created
-            with os.fdopen(_modes.create(self._tmp), "wb") as f:  # 0644 at most, whatever the umask
-                f.write(_encode(body))
-            os.replace(self._tmp, self.path)
+            self._replace(_encode(body))
             self._last_seq = seq
         except Exception as exc:  # a digest is an aid to readers: never a reason to stop training
             _report.report_exception("writing the digest", exc)
+
+
+    def _replace(self, data: bytes) -> None:
+        # A new temporary each time, with a name nobody can guess, made O_EXCL | O_NOFOLLOW: a link
+        # planted in the directory is never opened, and the rename replaces a link at the digest's own
+        # name instead of writing through it.
+        tmp = os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}.{secrets.token_hex(8)}.tmp")
+        fd = _modes.create(tmp, os.O_WRONLY | os.O_EXCL | os.O_NOFOLLOW)  # 0644 at most, whatever the umask
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
 
 
 def _us(ns: int) -> float:

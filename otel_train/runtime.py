@@ -324,6 +324,7 @@ def _step_span_starter(tracer: trace.Tracer, ids: StepTraceIdGenerator, ctx: Run
 
 def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> RotatingFileWriter:
     name = S.trace_file_name(ctx.source, ctx.rank, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
+    _check_own_dirs(settings, log_dir)
     try:
         _modes.make_dirs(log_dir)  # 0755 at most, whatever the umask
         return RotatingFileWriter(
@@ -336,6 +337,18 @@ def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> Rotating
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _report.safe_str(exc)
         raise ConfigError(f"cannot write trace files in {log_dir!r}: {reason}; "
                           "set save_path (OTEL_TRAIN_SAVE_PATH) to a writable directory") from None
+
+
+def _check_own_dirs(settings: Settings, log_dir: Path) -> None:
+    """Refuse an existing run directory or structured_logs/ another user controls (otel_train._modes.foreign)."""
+    if settings.allow_shared_dir:
+        return
+    for directory in (log_dir.parent, log_dir):
+        why = _modes.foreign(directory)
+        if why is not None:
+            raise ConfigError(f"will not write trace files in {str(directory)!r}: {why}, so another user could "
+                              "plant links there; use a directory of your own, or set allow_shared_dir=true "
+                              "(OTEL_TRAIN_ALLOW_SHARED_DIR=1) if you trust everyone who can write to it")
 
 
 def _static_fields(ctx: RunContext) -> dict[str, Any]:

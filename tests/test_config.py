@@ -48,6 +48,7 @@ CASES: dict[str, tuple[str, Any, Any]] = {
     "heartbeat_s": ("0", 2, 2.0),
     "stall_min_s": ("2.5", 3, 3.0),
     "stall_factor": ("3", 1, 1.0),
+    "allow_shared_dir": ("yes", True, True),
     "redact": ("WANDB, re:hf_[A-Za-z0-9]{30,}", ["WANDB", "re:x(y|z)"], ("WANDB", "re:x(y|z)")),
     "collectives": ("OFF", "on", "on"),
     "fr_dir": ("/tmp/fr", "/tmp/fr", "/tmp/fr"),

@@ -30,7 +30,9 @@ from otel_train import _modes, _report
 
 __all__ = ["RotatingFileWriter"]
 
-_OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+_OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+"""``O_NOFOLLOW``: a link planted at the path (a file re-made after a deletion) is refused (ELOOP, reported
+like any failed write), never appended to."""
 CHECK_INTERVAL_S = 1.0
 """How often a writer that is writing checks that its file is still linked."""
 _CLOSED = "closed"
@@ -300,7 +302,7 @@ class RotatingFileWriter:
         # The write descriptor is write-only; peek at the last byte through a short-lived reader to
         # learn whether an earlier process left a torn line we must not glue our first record onto.
         try:
-            fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             return True
         try:

@@ -49,3 +49,70 @@ def test_run_directory_recreated_just_before_shutdown(tmp_path: Path, capsys: py
             assert lost >= 6000 and notice[S.ATTRS]["lost_records"] == lost
             assert end[S.NAME] == S.INSTANT_PROCESS_END
             assert end[S.ATTRS]["dropped_records"] == lost
+
+
+def _planted(tmp_path: Path) -> Path:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    return victim
+
+
+def test_planted_links_are_never_followed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    holds = ("a link planted at the digest's old temporary name, at a trace file re-made after deletion, or at "
+             "the digest itself leaves its target untouched; the runtime reports the refused file and goes on")
+    with reported("symlinks planted in the run directory (digest temp, re-made trace file, digest)", holds, 3):
+        victim = _planted(tmp_path)
+        run = tmp_path / "run"
+        ot.init(save_path=run, enabled=True, digest_s=0.05)
+        rt = runtime._active
+        train(range(20))
+        digest = rt.watchdog.digest
+        # 1. the digest's temporary: the name it had before (pid-based) and any name an attacker guesses
+        os.makedirs(os.path.dirname(digest.path), exist_ok=True)
+        old_tmp = os.path.join(os.path.dirname(digest.path), f".{os.path.basename(digest.path)}.{os.getpid()}.tmp")
+        os.symlink(victim, old_tmp)
+        rt.watchdog.final_digest()
+        assert victim.read_text() == "precious\n"
+        assert not os.path.islink(digest.path) and os.path.isfile(digest.path)
+        # 2. the digest's own name: replaced by the rename, the link's target untouched
+        os.unlink(digest.path)
+        os.symlink(victim, digest.path)
+        rt.watchdog.final_digest()
+        assert victim.read_text() == "precious\n" and not os.path.islink(digest.path)
+        # 3. the trace file deleted, a link planted at its path before the writer re-makes it
+        trace_path = rt.writer.path
+        os.unlink(trace_path)
+        os.symlink(victim, trace_path)
+        rt.writer._limit = -1  # the periodic check is due now
+        train(range(20, 40))
+        ot.shutdown()
+        assert victim.read_text() == "precious\n"
+        err = capsys.readouterr().err
+        assert "was deleted" in err and "symbolic links" in err, err
+
+
+def test_run_directory_writable_by_others_is_refused(tmp_path: Path) -> None:
+    holds = ("init refuses (one-line ConfigError naming the directory and allow_shared_dir) a run directory or "
+             "structured_logs/ writable by others or owned by another user; allow_shared_dir=true accepts it")
+    cases = ["run world-writable", "structured_logs world-writable"]
+    if os.geteuid() == 0:
+        cases += ["run owned by nobody", "structured_logs owned by nobody"]
+    with reported("run directory owned by someone else or writable by others", holds, len(cases)):
+        for i, case in enumerate(cases):
+            run = tmp_path / f"run{i}"
+            target = run / S.STRUCTURED_LOGS_DIR if case.startswith("structured_logs") else run
+            target.mkdir(parents=True)
+            if "world-writable" in case:
+                target.chmod(0o777)
+            else:
+                os.chown(target, 65534, 65534)
+            with pytest.raises(ot.ConfigError) as info:
+                ot.init(save_path=run, enabled=True)
+            message = str(info.value)
+            assert "\n" not in message and str(target) in message and "allow_shared_dir" in message, message
+            assert runtime._active is None
+            ot.init(save_path=run, enabled=True, allow_shared_dir=True)
+            train(range(3))
+            ot.shutdown()
+            (trace,) = traces(run)
+            assert trace.records[-1][S.NAME] == S.INSTANT_PROCESS_END
