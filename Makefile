@@ -61,7 +61,7 @@ images: install chromium
 test: install chromium phoenix
 	$(BIN)/python -m pytest -q
 
-# The fault suite with more trials; rewrites README's Reliability table (tests/faults/report.py).
+# The fault suite with more trials; rewrites docs/reliability.md's table (tests/faults/report.py).
 .PHONY: faults
 faults: install
 	$(BIN)/python tests/faults/report.py --trials $${FAULT_TRIALS:-100} --examples $${FUZZ_EXAMPLES:-5000}

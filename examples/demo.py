@@ -132,12 +132,11 @@ def straggler(out: Path) -> None:
 
 
 def hang(out: Path) -> None:
-    say("\n== 3. Rank 1 hangs in forward at step 12; otel-train watch runs beside the job")
+    say("\n== 3. Rank 1 hangs in forward at step 8; otel-train watch runs beside the job")
     path = out / "hang"
-    with job(path, "--hang-rank", "1", "--hang-step", "12", "--hang-phase", "forward", "--timeout-s", "30",
+    with job(path, "--hang-rank", "1", "--hang-step", "8", "--hang-phase", "forward", "--timeout-s", "30",
              OTEL_TRAIN_STALL_MIN_S="3"):
         say(f"$ otel-train watch {path} --stacks --exit-on hang")
-        begun = time.monotonic()
         watch = subprocess.run(command("watch", str(path), "--json", "--stacks", "--exit-on", "hang",
                                        "--timeout", str(JOB_TIMEOUT_S)), capture_output=True, text=True,
                                timeout=JOB_TIMEOUT_S + 30)
@@ -148,13 +147,14 @@ def hang(out: Path) -> None:
                 say(f"  {f['kind']}: {printable(f['message'])}")
                 for stack in (f.get("stacks") or [])[:1]:
                     say(f"    stack: {printable(describe_stack(stack))}")
-        say(f"  (named {time.monotonic() - begun:.0f} s after watch started; the job is stopped now)")
+                if f.get("since"):
+                    say(f"  (named {event['ts'] - f['since']:.1f} s after the ranks stopped; the job is stopped now)")
 
 
 def desync(out: Path) -> None:
     say("\n== 4. Rank 3 calls broadcast where the others call all_reduce")
-    with job(out / "desync", "--fault", "desync-op", "--fault-rank", "3", "--fault-step", "10",
-             "--timeout-s", "10") as proc:
+    with job(out / "desync", "--fault", "desync-op", "--fault-rank", "3", "--fault-step", "5",
+             "--timeout-s", "5") as proc:
         try:
             proc.wait(JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -168,8 +168,8 @@ def where(out: Path) -> None:
                    capture_output=True, timeout=120)
     say("\n== Where to look next")
     say(f"  Perfetto trace of the straggler run: {trace}")
-    say("  open it at https://ui.perfetto.dev (Open trace file), or offline: "
-        f"{Path(sys.executable).parent / 'vizviewer'} {trace}")
+    viewer = os.path.relpath(Path(sys.executable).parent / "vizviewer")
+    say(f"  open it at https://ui.perfetto.dev (Open trace file), or offline: {viewer} {trace}")
     say(f"  trace files: {out}/<run>/structured_logs/  (every run: otel-train summarize / whatif / export)")
 
 

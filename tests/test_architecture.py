@@ -1,6 +1,6 @@
 """The house rules, read from the source with ``ast``: no import cycle, one-way data flow, small functions.
 
-See README "Layout": the analysis side never imports the tracing runtime, the export formats are
+See docs/architecture.md: the analysis side never imports the tracing runtime, the export formats are
 leaves that share only the layout module, and no function in ``otel_train/analysis`` is over 60 lines.
 """
 

@@ -3,7 +3,7 @@
 Every fault test states what must hold (``HOLDS``) and checks it on real files written by real
 processes. ``FAULT_TRIALS`` raises the number of randomized trials (``make faults``); with
 ``FAULT_REPORT=<file>`` each test appends one JSON line (fault, trials, what held, result) that
-``tests/faults/report.py`` turns into the README's Reliability table.
+``tests/faults/report.py`` turns into docs/reliability.md's table.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Run the fault suite with more trials and write its results into README.md's Reliability table.
+"""Run the fault suite with more trials and write its results into docs/reliability.md's table.
 
 ``python tests/faults/report.py [--trials N] [--examples N] [--no-readme]`` (``make faults``): runs
 ``pytest tests/faults`` with ``FAULT_TRIALS`` / ``FUZZ_EXAMPLES`` raised, collects the row each test
 reports (fault, trials, what must hold, pass or fail), and replaces the table between the
-``reliability`` markers in README.md. Exits with pytest's status.
+``reliability`` markers in docs/reliability.md. Exits with pytest's status.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+README = ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- reliability:begin -->", "<!-- reliability:end -->"
 
 
@@ -47,7 +47,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--trials", type=int, default=100, help="trials per randomized fault (FAULT_TRIALS)")
     parser.add_argument("--examples", type=int, default=5000, help="hypothesis cases per property (FUZZ_EXAMPLES)")
-    parser.add_argument("--no-readme", action="store_true", help="print the table instead of updating README.md")
+    parser.add_argument("--no-readme", action="store_true", help="print the table instead of updating docs/reliability.md")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "rows.jsonl"
