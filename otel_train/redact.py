@@ -11,6 +11,9 @@ What counts as a secret:
 - whatever the ``redact`` setting adds: more name parts, and ``re:<pattern>`` regular expressions
   whose matches anywhere in a value are replaced (e.g. ``re:hf_[A-Za-z0-9]{30,}``).
 
+Every record the runtime writes passes through :meth:`Redactor.record` (URL userinfo and the ``re:``
+patterns, in every string of the record); ``process_start`` also gets the name rules (env, argv).
+
 Pure: no OTel, no files. Readers and the runtime both use it.
 """
 
@@ -20,7 +23,11 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 
+import msgspec
+
 REDACTED = "<redacted>"
+_decode = msgspec.json.decode
+_encode = msgspec.json.Encoder().encode
 SECRET_NAME_PARTS = ("TOKEN", "KEY", "SECRET", "PASS", "PWD", "CREDENTIAL", "AUTH", "COOKIE", "SESSION")
 PATTERN_PREFIX = "re:"
 
@@ -28,7 +35,10 @@ PATTERN_PREFIX = "re:"
 _URL_USERINFO = re.compile(r"(?<=://)[^/\s@]*(?:@[^/\s@]*)*@")
 _NAME_CHARS = re.compile(r"[-.]")
 # --flag=value, -f=value, and key=value (Hydra overrides).
-_FLAG_WITH_VALUE = re.compile(r"^(?P<dashes>-{0,2})(?P<name>[A-Za-z_][\w.-]*)=(?P<value>.*)$", re.DOTALL)
+# Hydra also spells overrides +key=value (add) and ++key=value (add or override).
+_FLAG_WITH_VALUE = re.compile(r"^(?P<dashes>-{0,2}|\+{1,2})(?P<name>[A-Za-z_][\w.-]*)=(?P<value>.*)$", re.DOTALL)
+# The bytes of a record that may hold URL userinfo: a superset of what _URL_USERINFO matches in its text.
+_URL_USERINFO_BYTES = re.compile(rb"://[^/\s@]*(?:@[^/\s@]*)*@")
 _FLAG = re.compile(r"^--?(?P<name>[A-Za-z_][\w.-]*)$")
 _LONG_FLAG = re.compile(r"^--[A-Za-z_][\w.-]*(=.*)?$", re.DOTALL)
 
@@ -61,6 +71,37 @@ class Redactor:
                 names.append(_NAME_CHARS.sub("_", entry.strip().upper()))
         self._parts = SECRET_NAME_PARTS + tuple(names)
         self._patterns = tuple(patterns)
+        self._any = re.compile("|".join(f"(?:{p.pattern})" for p in patterns)) if patterns else None
+
+    def record(self, line: bytes) -> bytes:
+        """A JSONL record (one JSON object and its newline) with :meth:`text` applied to every string in
+        it: names, messages, attribute values, error messages, bridged log lines. The one place every
+        record passes through (the JSONL processor's write).
+
+        The common record holds nothing to redact and costs one substring test (and, with ``re:``
+        patterns, one search of its text); only a record a rule may match is decoded, redacted string by
+        string (so no replacement can cross JSON syntax) and encoded again.
+        """
+        maybe = b"://" in line and _URL_USERINFO_BYTES.search(line) is not None
+        if not maybe and self._any is not None:
+            maybe = self._any.search(line.decode("utf-8", "replace")) is not None
+        if not maybe:
+            return line
+        try:
+            record = _decode(line)
+        except Exception:  # noqa: BLE001 - not one JSON value: redact the text whole, as a last resort
+            return self.text(line.decode("utf-8", "replace")).encode()
+        clean = self._walk(record)
+        return line if clean == record else _encode(clean) + b"\n"
+
+    def _walk(self, value: object) -> object:
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {k: self._walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self._walk(v) for v in value]
+        return value
 
     def is_secret_name(self, name: str) -> bool:
         """Whether a variable or flag called ``name`` holds a secret."""

@@ -36,6 +36,7 @@ from otel_train import schema as S
 from otel_train._version import __version__
 from otel_train.config import Settings, resolve_settings
 from otel_train.errors import ConfigError
+from otel_train.redact import Redactor
 from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder, check_sdk_span_fields, step_context_attrs
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
 from otel_train.exporters.jsonl.writer import RotatingFileWriter
@@ -262,6 +263,7 @@ def _build(rt: _Runtime) -> None:
         rt.jsonl = JsonlSpanProcessor(
             rt.writer, encoder, caller=CallerFinder(_library_dirs()),
             record_handlers=[h.on_record for h in rt.record_handlers],
+            redact=Redactor(settings.redact).record,  # every text field of every record (docs/settings.md)
         )
     if provider is not None:
         if rt.jsonl is not None:

@@ -57,8 +57,11 @@ class JsonlSpanProcessor(SpanProcessor):
         *,
         caller: CallerFinder | None = None,
         record_handlers: Iterable[RecordHandler] = (),
+        redact: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self._writer = writer
+        # Every record passes through it before anyone sees it (otel_train.redact.Redactor.record).
+        self._redact = redact
         self._encoder = encoder
         self._caller = caller
         self._handlers = tuple(record_handlers)
@@ -224,6 +227,8 @@ class JsonlSpanProcessor(SpanProcessor):
         # notice record of its own (see _on_loss), which must reach them after this one.
         if self._closed:
             return
+        if self._redact is not None:
+            line = self._redact(line)
         if self._handlers:
             self._hand_over(_decode(line))
         if self._writer is not None:
