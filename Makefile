@@ -9,7 +9,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 DEMO   := runs/demo
 
-.PHONY: install demo demo-clean images test bench chromium phoenix clean
+.PHONY: install demo demo-clean images test bench chromium faketime phoenix clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ chromium:
 	  echo "installing Debian chromium for the Perfetto UI test"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	  || echo "warning: could not install chromium; the Perfetto UI test will skip"; }
+
+# Debian's libfaketime gives each "host" of tests/test_clock_torchrun.py a clock of its own.
+faketime:
+	@test -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 || { \
+	  echo "installing Debian faketime for the multi-host clock tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq faketime >/dev/null) \
+	  || echo "warning: could not install faketime; the multi-host clock tests will skip"; }
 
 # Arize Phoenix (a real OTLP backend) lives in its own venv: it is large.
 phoenix:
@@ -58,7 +65,7 @@ images: install chromium
 	OTEL_TRAIN_IMAGES=docs/images OTEL_TRAIN_DEMO_TRACE=$(DEMO)/straggler/analysis/steps-20-21.json \
 	  $(BIN)/python -m pytest -q tests/test_perfetto_ui.py -k pictures
 
-test: install chromium phoenix
+test: install chromium faketime phoenix
 	$(BIN)/python -m pytest -q
 
 # The fault suite with more trials; rewrites docs/reliability.md's table (tests/faults/report.py).
