@@ -18,8 +18,10 @@ import base64
 import logging
 import os
 import re
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from opentelemetry.sdk.environment_variables import (
@@ -39,6 +41,8 @@ AUTHORIZATION = "authorization"
 _SDK_LOGGER = "opentelemetry"
 _HEADER_PARSER_LOGGER = "opentelemetry.util.re"  # logs the text of a malformed header: never shown
 _USERINFO = re.compile(r"(?<=//)[^/@\s]*@")
+_GRACE_S = 0.5
+"""What a request may take past its timeout before it is abandoned (the SDK's own deadline comes first)."""
 _MIN_SECRET_LEN = 4  # shorter header values are not scrubbed from messages (they would mangle words)
 
 
@@ -187,9 +191,13 @@ class Destination:
     """
 
     def __init__(self, exporter: SpanExporter, shown: str, secrets: Iterable[str] = (),
-                 warnings: Sequence[str] = ()) -> None:
+                 warnings: Sequence[str] = (), timeout_s: float | None = None) -> None:
         self.exporter = exporter
         self.shown = shown
+        self.timeout_s = timeout_s
+        """The bound of one :meth:`send`, connect, every read and the SDK's retries together (None: none);
+        it waits ``_GRACE_S`` more, so an export that ends by the SDK's own deadline says why itself."""
+        self._abandoned = False
         self._secrets = sorted({s for s in secrets if len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True)
         self.warnings = [self.scrub(w) for w in warnings]
         self.refusal = refuse_redirects(exporter)
@@ -202,20 +210,66 @@ class Destination:
         return text
 
     def send(self, spans: Sequence[ReadableSpan]) -> None:
-        """Export ``spans``; raises PushError when the exporter (after its own retries) gives up."""
-        try:
-            with sdk_log() as records:
-                result = self.exporter.export(spans)
-        except Exception as exc:  # noqa: BLE001 - an exporter bug or a bad value becomes the one line
+        """Export ``spans``; raises PushError when the exporter (after its own retries) gives up, or when
+        the whole request has not finished within ``timeout_s``."""
+        with sdk_log() as records:
+            bound = None if self.timeout_s is None else self.timeout_s + _GRACE_S
+            outcome = _within(bound, self.exporter.export, spans)
+        if outcome is None:
+            self._abandoned = True
+            raise PushError(self.scrub(
+                f"cannot push to {self.shown}: no complete answer within the {self.timeout_s:g} s timeout (it bounds "
+                "the whole request: connecting, every read and the retries); the request was abandoned"))
+        result, exc = outcome
+        if exc is not None:  # an exporter bug or a bad value becomes the one line
             raise PushError(self.scrub(f"cannot push to {self.shown}: {type(exc).__name__}: {exc}")) from None
         if result is not SpanExportResult.SUCCESS:
             why = self.refusal.take() if self.refusal is not None else None
             raise PushError(self.scrub(f"cannot push to {self.shown}: {why or failure_reason(records)}"))
 
     def close(self) -> None:
-        """Shut the exporter down (closes its channel or session)."""
+        """Shut the exporter down (closes its channel or session); after an abandoned request, waits at
+        most a second for that (the stalled read may hold the session)."""
         with sdk_log():
-            self.exporter.shutdown()
+            _within(1.0 if self._abandoned else None, self.exporter.shutdown)
+
+
+def _within(bound_s: float | None, call: Any, *args: Any) -> tuple[Any, BaseException | None] | None:
+    """(result, None) or (None, the exception) of ``call(*args)``, or None when it has not returned within
+    ``bound_s`` seconds: it then goes on in a daemon thread that nothing waits for (the SDK's HTTP client
+    bounds each socket read, not the response, so a peer that trickles bytes holds it indefinitely)."""
+    if bound_s is None:
+        try:
+            return call(*args), None
+        except Exception as exc:  # noqa: BLE001 - the caller turns it into the one line
+            return None, exc
+    box: list[tuple[Any, BaseException | None]] = []
+
+    def run() -> None:
+        try:
+            box.append((call(*args), None))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            box.append((None, exc))
+
+    worker = threading.Thread(target=run, name="otel-train-push", daemon=True)
+    worker.start()
+    worker.join(bound_s)
+    return box[0] if box else None
+
+
+def export_timeout(timeout_s: float | None) -> float:
+    """The bound of one export: ``timeout_s``, else ``OTEL_EXPORTER_OTLP_TRACES_TIMEOUT``, else
+    ``OTEL_EXPORTER_OTLP_TIMEOUT`` (seconds, as the Python SDK reads them), else 10."""
+    if timeout_s is not None:
+        return timeout_s
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+        try:
+            value = float(os.environ.get(name, "") or "nan")
+        except ValueError:
+            continue
+        if value > 0:
+            return value
+    return 10.0
 
 
 def failure_reason(records: Sequence[logging.LogRecord]) -> str:
@@ -259,7 +313,7 @@ def open_destination(
     if not endpoint:
         shown = redact_url(str(getattr(exporter, "_endpoint", shown)))
     secrets = [*merged.values(), *([password, unquote(password)] if password else [])]
-    return Destination(exporter, shown, secrets, [r.getMessage() for r in records])
+    return Destination(exporter, shown, secrets, [r.getMessage() for r in records], export_timeout(timeout_s))
 
 
 def _exporter(protocol: str, endpoint: str | None, headers: dict[str, str] | None,
