@@ -74,8 +74,9 @@ def make_dirs(path: str | os.PathLike[str]) -> None:
 
 
 def create(path: str | os.PathLike[str], flags: int = os.O_WRONLY | os.O_TRUNC) -> int:
-    """Open ``path`` for writing, created 0644 at most (``O_CREAT`` and ``O_CLOEXEC`` added); the fd."""
-    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+    """Open ``path`` for writing, created 0644 at most (``O_CREAT``, ``O_CLOEXEC`` and ``O_NOFOLLOW`` added:
+    a link planted at ``path`` is refused with ELOOP, never written through); the fd."""
+    fd = os.open(path, flags | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
     try:
         tighten_fd(fd)
     except BaseException:

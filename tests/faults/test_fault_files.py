@@ -116,3 +116,23 @@ def test_run_directory_writable_by_others_is_refused(tmp_path: Path) -> None:
             ot.shutdown()
             (trace,) = traces(run)
             assert trace.records[-1][S.NAME] == S.INSTANT_PROCESS_END
+
+
+def test_a_link_at_the_export_temporary_is_not_written_through(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    holds = "a link planted at export's temporary name leaves its target untouched (export fails with one line)"
+    with reported("symlink planted at the export's temporary", holds, 1):
+        victim = _planted(tmp_path)
+        run = tmp_path / "run"
+        ot.init(save_path=run, enabled=True)
+        train(range(5))
+        ot.shutdown()
+        out = tmp_path / "out" / "trace.json"
+        out.parent.mkdir()
+        os.symlink(victim, out.parent / f".{out.name}.{os.getpid()}.tmp")  # CliRunner: this process's pid
+        result = CliRunner().invoke(app, ["export", str(run), "--output", str(out)])
+        assert victim.read_text() == "precious\n"
+        assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
