@@ -1,0 +1,62 @@
+"""`make demo`'s script on real 4-rank torchrun jobs: each diagnosis a newcomer should see appears.
+
+The straggler's rank and phase and its what-if cost; the hang's rank, phase and stack, named live by
+`otel-train watch`; the desync's group, seq and both ops; where the Perfetto trace is. Asserts the
+story's structure, never its timings.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch.distributed")
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp("demo") / "runs"
+    done = subprocess.run([sys.executable, str(DEMO), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout, out
+
+
+def section(text: str, number: int) -> str:
+    parts = re.split(r"^== ", text, flags=re.M)
+    return next(p for p in parts if p.startswith(f"{number}. "))
+
+
+def test_clean_run_has_no_findings(story: tuple[str, Path]) -> None:
+    assert "Findings: none" in section(story[0], 1)
+
+
+def test_straggler_named_with_its_cost(story: tuple[str, Path]) -> None:
+    text = section(story[0], 2)
+    assert re.search(r"straggler: rank 2 .*data_fetch", text), text
+    assert re.search(r"without rank 2's data_fetch slowness: [\d.]+ ms \(\d+ %\) faster per step", text), text
+
+
+def test_hang_named_live_with_its_stack(story: tuple[str, Path]) -> None:
+    text = section(story[0], 3)
+    assert re.search(r"hang: rank 1 .*forward", text), text
+    assert re.search(r"stack: .*train_ddp\.py:\d+:hang", text), text
+
+
+def test_desync_names_group_seq_and_both_ops(story: tuple[str, Path]) -> None:
+    text = section(story[0], 4)
+    line = next((ln for ln in text.splitlines() if "desync:" in ln), "")
+    assert "broadcast" in line and "all_reduce" in line and "rank 3" in line, text
+    assert re.search(r"seq \d+|#\d+", line) and "group" in line, line
+
+
+def test_ends_with_the_perfetto_trace(story: tuple[str, Path]) -> None:
+    text, out = story
+    trace = out / "straggler" / "analysis" / "structured_trace.json"
+    assert trace.is_file() and str(trace) in text and "vizviewer" in text
+    assert len(max(text.splitlines(), key=len)) < 400  # short enough for a terminal and a CI log
