@@ -178,7 +178,9 @@ def test_tensor_parallel_functional_collectives_come_from_the_buffer(tp: Records
     for rank, recs in tp.items():
         from_buffer = [s for s, _ in comm_spans(recs) if s["attrs"].get("comm.source") == "flight_recorder"]
         assert len([s for s in from_buffer if s["name"] == "comm.all_reduce"]) == 3  # RowwiseParallel, each step
-        assert {s["step"] for s in from_buffer} == {0, 1, 2}
+        assert sorted(s["step"] for s in from_buffer) == [0, 1, 2]  # each the step it was issued in
+        setup = [s for s, _ in comm_spans(recs) if s["name"] in ("comm.scatter", "comm.broadcast")]
+        assert setup and all("step" not in s for s in setup)  # parallelize_module's, before the first step
     assert meshes(tp) == {r: {"dims": {"tp": 2}, "coords": {"tp": r}} for r in (0, 1)}
 
 

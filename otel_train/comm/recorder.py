@@ -182,7 +182,7 @@ class Recorder:
             self._covered(state, note.fr_key)
         if not state.announced:
             state.announced = True
-            note.ctx.run(self._instant, S.INSTANT_COMM_GROUP, state.instant_attrs())
+            note.ctx.run(self._announce_in, state, note.start_ns)
         attrs = span_attrs(note.op, state.name, note.seq, note.peer, note.nbytes, note.dtype)
         span = self._start_span(note.ctx, S.comm_span_name(note.op), attrs, note.start_ns, note.tid)
         if note.end_ns or self._work_done(note):
@@ -193,11 +193,25 @@ class Recorder:
     def _start_span(self, ctx: Any, name: str, attrs: dict[str, Any], start_ns: int, tid: int) -> Any:
         on_behalf.tid = tid
         try:
-            span = ctx.run(self._tracer.start_span, name, None, _INTERNAL, attrs, None, start_ns)
+            span = ctx.run(self._start_in, name, attrs, start_ns)
         finally:
             on_behalf.tid = None
         self.spans += 1
         return span
+
+    def _start_in(self, name: str, attrs: dict[str, Any], start_ns: int) -> Any:
+        """In the op's context: a thread that never set a step sees the step current when the op was
+        issued (what it would have seen then), not the one current now."""
+        self._pin_step(start_ns)
+        return self._tracer.start_span(name, None, _INTERNAL, attrs, None, start_ns)
+
+    def _pin_step(self, ns: int) -> None:
+        if step_context._current.get() is None:
+            step_context._current.set(self._step_at(ns) or step_context.EMPTY)
+
+    def _announce_in(self, state: GroupState, ns: int) -> None:
+        self._pin_step(ns)
+        self._instant(S.INSTANT_COMM_GROUP, state.instant_attrs())
 
     @staticmethod
     def _work_done(note: Note) -> bool:
@@ -316,7 +330,7 @@ class Recorder:
         ctx = _context_for(parent, self._step_at(start))
         if not state.announced:
             state.announced = True
-            ctx.run(self._instant, S.INSTANT_COMM_GROUP, state.instant_attrs())
+            ctx.run(self._announce_in, state, start)
         nbytes, dtype = fr.entry_bytes(entry)
         attrs = span_attrs(op, state.name, int(entry.get("collective_seq_id") or 0), None, nbytes, dtype)
         attrs[ATTR_SOURCE] = SOURCE_FR
@@ -370,10 +384,13 @@ def _native_tid(entry: dict[str, Any], threads: dict[Any, Any]) -> int | None:
 
 
 def _parent_of(open_entries: list[Any], tid: int | None, start_ns: int) -> Any:
-    """The innermost span open on thread ``tid`` that started before ``start_ns``: (span, state) or None."""
+    """The innermost span open on thread ``tid`` that started before ``start_ns``, other than an op (an
+    op never holds another; a buffer op still running is open on that thread too): (span, state) or None."""
     best = None
     for span, _, state, span_tid in open_entries:
-        if span_tid == tid and span._start_time <= start_ns and (best is None or span._start_time >= best[0]._start_time):
+        if span_tid != tid or span._start_time > start_ns or span._name.startswith(S.COMM_PREFIX):
+            continue
+        if best is None or span._start_time >= best[0]._start_time:
             best = (span, state)
     return best
 
