@@ -35,8 +35,7 @@ TRAIN = textwrap.dedent(
             logging.getLogger("hub").warning("using token hf_P4SSWRD03xAbCdEfGhIjKlMnOp")
             with ot.log_trace_span("note", url="s3://k:P4SSWRD06x@bucket/x"):
                 ot.log_trace_instant("fetched", source="https://u:P4SSWRD07x@mirror/y")
-    ot.shutdown(timeout_s=1.0)
-    raise RuntimeError("crashed at https://root:P4SSWRD08x@db/z")
+    raise RuntimeError("crashed at https://root:P4SSWRD08x@db/z")  # uncaught: its instant, then exit
     """
 )
 SECRETS = [f"P4SSWRD{i:02d}x" for i in range(1, 9)]
@@ -62,3 +61,4 @@ def test_secrets_in_span_errors_logs_and_hydra_overrides(tmp_path: Path) -> None
         assert leaked == [], leaked
         assert "trainer.max_epochs=3" in written  # an override that is no secret stays
         assert "hub.example/models failed" in written and "<redacted>" in written
+        assert "crashed at" in written  # the uncaught exception's instant is there, its password not
