@@ -374,3 +374,16 @@ def test_watch_names_the_same_hang_culprit_with_clocks_off(tmp_path: Path) -> No
     assert [(f["rank"], f["comm"]["waiting"]) for f in hangs] == [(1, [0, 2, 3])]
     raw = _live_job(tmp_path / "raw", {"a": -5.0, "b": 5.0}, 6.0, stop=1, align=False)
     assert "hang" not in [f["kind"] for f in raw]  # raw clocks: host b's progress is 5 s ahead of watch
+
+
+def test_host_setting_names_the_host_records_carry() -> None:
+    import socket
+
+    from otel_train.config import ConfigError, resolve_settings
+    from otel_train.resource import detect_run_context
+
+    settings = resolve_settings(save_path="/tmp/run", env={"OTEL_TRAIN_HOST": "host-b"})
+    assert detect_run_context(settings, env={}).host == "host-b"
+    assert detect_run_context(resolve_settings(save_path="/tmp/run", env={}), env={}).host == socket.gethostname()
+    with pytest.raises(ConfigError, match="host"):
+        resolve_settings(save_path="/tmp/run", overrides={"host": " "}, env={})

@@ -71,13 +71,15 @@ def _check_clock(summary: dict, span_s: float, samples: int = 20) -> dict:
 
 
 def test_faketime_straggler_is_the_honest_one(tmp_path: Path) -> None:
-    args = ("--steps", "120", "--slow-rank", "1", "--slow-phase", "data_fetch", "--slow-ms", "150")
+    # 250 steps of ~0.2 s: the collectives span more than the 20 s a drift needs (docs/clock.md).
+    args = ("--steps", "250", "--slow-rank", "1", "--slow-phase", "data_fetch", "--slow-ms", "150")
     honest = _job(tmp_path / "honest", HONEST, *args)
     skewed = _job(tmp_path / "skewed", FAKE, *args)
     assert _hosts(skewed) == {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
     h_rows = {r["host"]: r for r in honest["clock"]}
     assert abs(h_rows["host-b"]["offset_ms"]) < 10.0  # one machine: the same clock
-    b = _check_clock(skewed, 120 * 0.2)
+    b = _check_clock(skewed, 250 * 0.3)
+    assert 70.0 <= b["drift_ppm"] <= 130.0, b  # host b runs 100 ppm fast (x1.0001)
     (tmp_path / "clock.json").write_text(json.dumps({"honest": honest["clock"], "skewed": skewed["clock"]}))
 
     def stragglers(s: dict) -> list[tuple]:

@@ -52,6 +52,7 @@ CASES: dict[str, tuple[str, Any, Any]] = {
     "redact": ("WANDB, re:hf_[A-Za-z0-9]{30,}", ["WANDB", "re:x(y|z)"], ("WANDB", "re:x(y|z)")),
     "collectives": ("OFF", "on", "on"),
     "fr_dir": ("/tmp/fr", "/tmp/fr", "/tmp/fr"),
+    "host": ("node-7", "node-7", "node-7"),
 }
 ENABLED_ENV = {"OTEL_TRAIN_SAVE_PATH": "/tmp/base"}
 
