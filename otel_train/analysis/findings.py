@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from otel_train import schema
+from otel_train.analysis.clock import Clock
 from otel_train.analysis.comm import CommGraph, CommOp, rank_ranges, wait_chains
 from otel_train.analysis.spans import NO_STEP, ErrorSpan, ProcessState, Run
 from otel_train.analysis.stacks import stall_stacks
@@ -413,7 +414,7 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
         out.extend(found)
     if graph is not None:
         out = _most_specific(group, out)
-    out = _with_costs(group, out, window)
+    out = _with_costs(group, out, window, graph.clock if graph is not None else None)
     return _with_arrivals(out, arrival_findings(group, graph, window) if graph is not None else [])
 
 
@@ -489,12 +490,13 @@ def _stragglers_in(group: Sequence[ProcessState], table: PeerTable, net: np.ndar
     return out
 
 
-def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], window: Window | None
-                ) -> list[dict[str, Any]]:
-    """Each straggler's cost per step: the step time with that rank's phase made typical (whatif)."""
+def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], window: Window | None,
+                clock: Clock | None = None) -> list[dict[str, Any]]:
+    """Each straggler's cost per step: the step time with that rank's phase made typical (whatif), with
+    hosts on the run's clock estimate when it aligns them (docs/clock.md)."""
     if not found:
         return found
-    table = sync_table(group, window=window)
+    table = sync_table(group, window=window, clock=clock if clock is not None and (clock.applied or clock.raw) else None)
     if table is None:
         return found
     s = scenarios(table)
