@@ -21,7 +21,9 @@ from otel_train.analysis.export import export
 from otel_train.analysis.live import LiveRun
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize, summarize_run
-from otel_train.analysis.whatif import whatif
+from otel_train.analysis.clock import raw_clock
+from otel_train.analysis.whatif import _clock as _whatif_clock
+from otel_train.analysis.whatif import scenarios, sync_table, whatif
 from otel_train.cli._app import app
 from otel_train.phases import BACKWARD, DATA_FETCH, STEP
 
@@ -253,7 +255,8 @@ def test_hang_waiting_since_is_on_the_reference_clock(tmp_path: Path) -> None:
 
 def test_whatif_uses_the_estimate(tmp_path: Path) -> None:
     # The slow rank (1) is on host a; host b's clock is 3 s ahead. Aligned, whatif answers as on honest
-    # clocks; on raw clocks host b's ranks look 3 s late to every collective and rank 1's cost vanishes.
+    # clocks; replayed on raw clocks, host b's ranks would look 3 s late to every collective and rank
+    # 1's cost would vanish (so --no-align falls back to the per-host median shift).
     procs = _two_hosts(tmp_path, ahead_s=3.0, slow=1)
     honest = _two_hosts(tmp_path / "honest", ahead_s=0.0, slow=1)
     for p in procs + honest:
@@ -264,9 +267,16 @@ def test_whatif_uses_the_estimate(tmp_path: Path) -> None:
     assert same["by_rank"][0]["rank"] == 1 and same["by_rank"][0]["cost_ms"] == pytest.approx(40.0, abs=0.5)
     assert [(r["rank"], round(r["cost_ms"], 2)) for r in skewed["by_rank"]] == [
         (r["rank"], round(r["cost_ms"], 2)) for r in same["by_rank"]]
+    run = load_run(tmp_path)
+    clock = next(iter(run.comm.values())).clock
+    assert _whatif_clock(run) is clock and clock.applied
+    group = run.groups()[0]
+    on_raw = sync_table(group, clock=raw_clock())  # what replaying the raw clocks would give
+    assert scenarios(on_raw).by_rank[1].mean() == pytest.approx(scenarios(on_raw).actual.mean())  # no cost
     raw = load_run(tmp_path)
     raw.align = False
-    assert whatif(raw)["by_rank"][0]["cost_ms"] < 1.0
+    assert _whatif_clock(raw) is None
+    assert [(r["rank"], round(r["cost_ms"], 2)) for r in whatif(raw)["by_rank"]][:1] == [(1, 40.0)]
 
 
 def test_export_writes_aligned_times_and_keeps_raw_ts(tmp_path: Path) -> None:
@@ -387,3 +397,28 @@ def test_host_setting_names_the_host_records_carry() -> None:
     assert detect_run_context(resolve_settings(save_path="/tmp/run", env={}), env={}).host == socket.gethostname()
     with pytest.raises(ConfigError, match="host"):
         resolve_settings(save_path="/tmp/run", overrides={"host": " "}, env={})
+
+
+def test_fast_and_every_command_take_no_align(tmp_path: Path) -> None:
+    from otel_train.analysis.fast import summarize_fast
+
+    procs = _two_hosts(tmp_path, ahead_s=3.0, steps=12)
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    fast = summarize_fast(tmp_path)
+    assert [(r["host"], round(r["offset_ms"])) for r in fast["clock"]] == [("a", 0), ("b", 3000)]
+    assert [f["kind"] for f in fast["findings"]] == ["clock_skew"]
+    assert summarize_fast(tmp_path, align=False)["clock"] == []
+    runner = CliRunner()
+    for args in (["whatif", str(tmp_path), "--no-align"], ["whatif", str(tmp_path), "--json"],
+                 ["export", str(tmp_path), "--no-align", "-o", str(tmp_path / "raw.json")],
+                 ["summarize", str(tmp_path), "--fast", "--no-align", "--json"]):
+        out = runner.invoke(app, args)
+        assert out.exit_code == 0, (args, out.output)
+    assert "clocks aligned" not in runner.invoke(app, ["export", str(tmp_path), "--no-align", "-o",
+                                                       str(tmp_path / "raw2.json")]).output
+    watch = runner.invoke(app, ["watch", str(tmp_path), "--no-align", "--json", "--timeout", "1"])
+    assert watch.exit_code == 0 and "clock_skew" not in watch.output
+    aligned = runner.invoke(app, ["watch", str(tmp_path), "--json", "--timeout", "1"])
+    assert aligned.exit_code == 0 and '"clock_skew"' in aligned.output

@@ -496,7 +496,7 @@ def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], wind
     hosts on the run's clock estimate when it aligns them (docs/clock.md)."""
     if not found:
         return found
-    table = sync_table(group, window=window, clock=clock if clock is not None and (clock.applied or clock.raw) else None)
+    table = sync_table(group, window=window, clock=clock if clock is not None and clock.applied else None)
     if table is None:
         return found
     s = scenarios(table)

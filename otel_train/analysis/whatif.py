@@ -12,8 +12,9 @@ arrival, including the all-reduce itself). So the time between two collectives i
 and everything a rank spends in a collective beyond its tail is waiting, charged to whoever made
 it wait. Work is measured on each rank's own clock; arrivals and tails need one clock across ranks,
 which the collectives themselves provide: the run's clock estimate (docs/clock.md) puts every host
-on the reference host's clock (``--no-align``: the raw clocks). Without one (a caller that passes
-none), each host's clock is shifted so that its collective ends line up with its peers' at the median.
+on the reference host's clock. Without one (``--no-align``, a run without a collective across hosts,
+a caller that passes none), each host's clock is shifted so that its collective ends line up with its
+peers' at the median (raw clocks cannot be replayed: a host seconds ahead would "wait" seconds).
 
 "Made typical" replaces values by what peers did at the same step, then takes that max again: one
 rank's by the median of its peers; everyone's at once (one phase, or the ideal) by the median over
@@ -266,12 +267,12 @@ def whatif(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = 
 
 
 def _clock(run: Run) -> Clock | None:
-    """The run's clock estimate when it aligns hosts (or ``--no-align`` asked for raw clocks); None for
-    one host, or hosts without a shared collective (the per-host median shift then)."""
+    """The run's clock estimate when it aligns hosts; None (the per-host median shift) for one host,
+    hosts without a shared collective, and ``--no-align``."""
     if len({d.host for d in run.processes}) < 2:
         return None
     clock = next((g.clock for g in run.comm.values() if g.clock is not None), None)
-    return clock if clock is not None and (clock.applied or clock.raw) else None
+    return clock if clock is not None and clock.applied else None
 
 
 def _group_scenarios(group: list[ProcessState], sync: Sequence[str], window: Window | None,
