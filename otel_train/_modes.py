@@ -9,6 +9,7 @@ trace files and digests, the reading side's exports), so it imports nothing of e
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -67,8 +68,8 @@ def make_dirs(path: str | os.PathLike[str]) -> None:
         try:
             os.mkdir(directory, DIR_MODE)
         except FileExistsError:
-            if not os.path.isdir(directory):
-                raise
+            if not os.path.isdir(directory):  # a file in the way: what os.makedirs says of a path under it
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), directory) from None
             continue  # made meanwhile by someone else: not ours to change
         _tighten_dir(directory)
 

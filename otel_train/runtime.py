@@ -162,6 +162,8 @@ def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, A
         rt = _Runtime(settings, ctx)
         try:
             _build(rt)
+            if settings.fr_dir is None:
+                _check_fr_dir(settings)
         except BaseException:
             _teardown_partial(rt)
             raise
@@ -184,6 +186,13 @@ def _check_comm(settings: Settings) -> None:
     if reason is not None:
         raise ConfigError(f"collectives='on' (OTEL_TRAIN_COLLECTIVES) cannot be honoured: {reason}; "
                           "install torch with distributed support or set collectives to 'auto' or 'off'")
+    if settings.fr_dir is not None:
+        _check_fr_dir(settings)
+
+
+def _check_fr_dir(settings: Settings) -> None:
+    """Make ``fr_dir``, or say in one line why it cannot be. The default (``<save_path>/flight_recorder``)
+    is made once the trace file is open, so a bad ``save_path`` is named as such."""
     try:
         _modes.make_dirs(settings.fr_path)  # 0755 at most, whatever the umask (otel_train._modes)
         if not os.access(settings.fr_path, os.W_OK | os.X_OK):
@@ -475,8 +484,16 @@ def _finish_file(jsonl: JsonlSpanProcessor, writer: RotatingFileWriter | None, i
         "spans_dropped": dropped,
         "write_errors": writer.errors if writer is not None else 0,
         "dropped_records": dropped_records,
+        **_comm_lost(),
         **({"signal": _end_signal} if _end_signal else {}),
     })
+
+
+def _comm_lost() -> dict[str, int]:
+    """``comm_ops_lost``: comm ops that have no span (the Flight Recorder buffer wrapped before they were
+    read), when any (docs/comm.md, "Cost")."""
+    lost = _report.counts().get("comm.flight_recorder_lost", 0)
+    return {"comm_ops_lost": lost} if lost else {}
 
 
 def _report_at_shutdown(dropped_records: int) -> None:

@@ -89,6 +89,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     if proc.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to provoke ENOSPC (needs root/CAP_SYS_ADMIN): {proc.stderr.strip()}")
     try:
+        mnt.chmod(0o755)  # a tmpfs is mounted 1777: a run directory anyone may write into is refused at init
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)

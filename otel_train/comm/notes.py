@@ -82,7 +82,13 @@ class NoteQueue:
         self.append = self._notes.append  # one C call on the hot path
 
     def take(self) -> list[Note]:
-        """Every note queued so far, oldest first (the recorder's thread)."""
+        """Every note queued so far, oldest first (the recorder's thread). A full queue may have
+        dropped its oldest notes: reported once and counted (never silently)."""
+        if len(self._notes) == self._notes.maxlen:
+            from otel_train import _report
+
+            _report.report("comm.notes_dropped", "the comm recorder fell behind: the oldest op notes were dropped "
+                           "(their comm.* spans are missing)")
         notes, pop = [], self._notes.popleft
         for _ in range(len(self._notes)):
             notes.append(pop())

@@ -362,6 +362,7 @@ class Recorder:
             state = by_name.get(group)
             if state is not None and group not in oldest:
                 oldest[group] = int(entry["op_id"] if state.op_counts_p2p else entry["collective_seq_id"])
+        before = self.fr_lost
         for group, first in oldest.items():
             state = by_name[group]
             kept = []
@@ -374,6 +375,11 @@ class Recorder:
                 else:
                     kept.append((lo, hi))
             state.gaps = kept
+        if self.fr_lost > before:  # nothing lost silently: reported once, every lost op counted
+            _report.report("comm.flight_recorder_lost",
+                           "ops issued from C++ left the Flight Recorder buffer before the recorder read them "
+                           "(no comm.* span for them; a larger TORCH_FR_BUFFER_SIZE keeps more)",
+                           self.fr_lost - before)
 
 
 def _native_tid(entry: dict[str, Any], threads: dict[Any, Any]) -> int | None:
