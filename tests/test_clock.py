@@ -422,3 +422,21 @@ def test_fast_and_every_command_take_no_align(tmp_path: Path) -> None:
     assert watch.exit_code == 0 and "clock_skew" not in watch.output
     aligned = runner.invoke(app, ["watch", str(tmp_path), "--json", "--timeout", "1"])
     assert aligned.exit_code == 0 and '"clock_skew"' in aligned.output
+
+
+def test_watch_of_a_copied_dead_run_shifts_no_clock(tmp_path: Path) -> None:
+    # Files copied (or left) long after their writers died: their modification times say nothing of
+    # the writers' clocks (they never grow while watched), so the processes are dead, as before.
+    procs = _two_hosts(tmp_path, ahead_s=3.0, steps=12, slow=None)
+    for p in procs:
+        p.stop_inside(12, [DATA_FETCH])  # died there: no process_end
+    for p in procs:
+        first = json.loads(p.lines[0])
+        first["attrs"] = {"settings": {"watchdog": True, "heartbeat_s": 1.0, "stall_min_s": 1.0, "stall_factor": 5.0}}
+        p.lines[0] = json.dumps(first)
+    write_run(tmp_path, procs)
+    live = LiveRun(tmp_path, probe=FakeHost("elsewhere"), background=False)
+    found = [e["finding"]["kind"] for _ in range(2) for e in live.poll() if e["type"] == "finding"]
+    live.close()
+    assert all(lp.skew == 0.0 for lp in live.procs.values())
+    assert {"crash", "hang"} & set(found), found

@@ -358,6 +358,7 @@ class LiveRun:
         self._file_clock = align and clock is time.time  # file times are on the real clock, not a test's
         self._clock_ops = -1
         self._host_lag: dict[str | None, float] = {}  # host -> least (file mtime - newest record ts) seen
+        self._sizes: dict[tuple[str, int, str], int] = {}  # each process's newest file size at the last read
         self.stacks = stacks
         self.probe = probe if probe is not None else HostProbe()
         self.clock = clock
@@ -419,19 +420,25 @@ class LiveRun:
         return dumps or sum(len(g.desynced) for g in self.graphs.values()) != desyncs
 
     def _update_skew(self, batches: list[tuple[ProcessFiles, list[AnyRecord]]]) -> None:
-        """Each host's lag: the least, over reads, of the file's modification time (the file system's
-        clock, not the writer's) minus the newest record read from it. A host off by more than
-        :data:`SKEW_APPLY_S` gets that as its processes' ``skew`` (stalls, silence and progress are
-        then judged on its own clock; durations within a process need none). Only on the real clock
-        (an injected ``clock`` is a test's: file times do not follow it)."""
+        """Each host's lag: the least, over reads of a file seen growing since the previous read
+        (written live: a copied or finished file says nothing of its writer's clock), of its
+        modification time (the file system's clock, not the writer's) minus the newest record read
+        from it. A host off by more than :data:`SKEW_APPLY_S` gets that as its processes' ``skew``
+        (stalls, silence and progress are then judged on its own clock; durations within a process
+        need none). Only on the real clock (an injected ``clock`` is a test's: file times do not
+        follow it)."""
         changed = set()
         for pf, records in batches if self._file_clock else ():
             if not records or not pf.paths:
                 continue
             try:
-                mtime = pf.paths[-1].stat().st_mtime
+                st = pf.paths[-1].stat()
             except OSError:
                 continue
+            before, self._sizes[pf.key] = self._sizes.get(pf.key), st.st_size
+            if before is None or st.st_size <= before:
+                continue
+            mtime = st.st_mtime
             host = self.procs[pf.key].state.host
             lag = mtime - max(r.ts for r in records)
             if lag < self._host_lag.get(host, float("inf")):
