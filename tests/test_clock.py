@@ -440,3 +440,15 @@ def test_watch_of_a_copied_dead_run_shifts_no_clock(tmp_path: Path) -> None:
     live.close()
     assert all(lp.skew == 0.0 for lp in live.procs.values())
     assert {"crash", "hang"} & set(found), found
+
+
+def test_device_clock_ops_are_samples_among_themselves() -> None:
+    # NCCL with timing: the ops' times are the device's start and completion (comm.clock: device).
+    graph = CommGraph(world=2)
+    graph.hosts = {0: "a", 1: "b"}
+    for k in range(30):
+        t = T0 + k
+        graph.add(CommOp(0, 0, "0", k, "all_reduce", t, t + 0.001, clock="device"))
+        graph.add(CommOp(1, 0, "0", k, "all_reduce", t - 0.25, t + 0.001 - 0.25, clock="device"))
+    b = estimate([graph], T0).hosts["b"]
+    assert abs(b.offset_s + 0.25) < 1e-6 and b.samples == 30
