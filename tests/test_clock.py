@@ -411,6 +411,8 @@ def test_fast_and_every_command_take_no_align(tmp_path: Path) -> None:
     assert [f["kind"] for f in fast["findings"]] == ["clock_skew"]
     assert summarize_fast(tmp_path, align=False)["clock"] == []
     runner = CliRunner()
+    text = runner.invoke(app, ["whatif", str(tmp_path)], env={"COLUMNS": "200"})
+    assert text.exit_code == 0 and "clocks: hosts aligned to host a from the collectives (b +3000.000 ms" in text.output
     for args in (["whatif", str(tmp_path), "--no-align"], ["whatif", str(tmp_path), "--json"],
                  ["export", str(tmp_path), "--no-align", "-o", str(tmp_path / "raw.json")],
                  ["summarize", str(tmp_path), "--fast", "--no-align", "--json"]):

@@ -38,6 +38,21 @@ def whatif(
             print_json(result)
         else:
             _render(clean(result), console())
+            _clock_line(run, console())
+
+
+def _clock_line(run: Any, out: Console) -> None:
+    """Never correct silently: with more than one host, say which clocks the replay compared."""
+    if len({d.host for d in run.processes}) < 2:
+        return
+    clock = next((g.clock for g in run.comm.values() if g.clock is not None), None)
+    if clock is not None and clock.applied:
+        moved = ", ".join(f"{r['host']} {r['offset_ms']:+.3f} ms" for r in clock.rows()[1:])
+        out.print(f"clocks: hosts aligned to host {clock.reference} from the collectives ({moved}; --no-align: "
+                  "each host shifted to the others' median instead)", markup=False)
+    else:
+        out.print("clocks: hosts not aligned by an estimate (--no-align, or no collective across hosts): each host "
+                  "shifted so its ranks leave the collectives with the others at the median", markup=False)
 
 
 def _pct(row: dict[str, Any]) -> str:
