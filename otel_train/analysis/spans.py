@@ -368,8 +368,10 @@ class ProcessState:
         # The step context, taken from each batch's first and last records rather than per record.
         if self.first_step is None:
             self.first_step = next((r.step for r in items if r.step is not None), None)
+        # comm.* records may be written after later steps' records (the recorder's thread writes them
+        # off the training thread, with their own step): they never move the step back.
         for r in reversed(items):
-            if r.step is not None:
+            if r.step is not None and not r.name.startswith(schema.COMM_PREFIX):
                 self.final_step = r.step
                 if r.relative_step is not None:
                     self.relative_step = r.relative_step
