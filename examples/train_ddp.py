@@ -43,6 +43,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -92,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--fault-step", type=int, default=3)
     p.add_argument("--metrics", action="store_true", help="all-reduce the loss in a 'metrics' group every step")
+    p.add_argument("--fr-dump-after", type=float, metavar="S",
+                   help="S seconds after --fault-step begins, every rank writes its Flight Recorder buffer "
+                        "(torch's _dump_fr_trace pickle) to <save-path>/flight_recorder/dump.rank_<rank>.pkl")
     p.add_argument("--gpu-wait-ms", type=float, default=0.0,
                    help="every rank also waits this long in forward without using the CPU, as a step waits on a "
                         "GPU: keeps step times steady on a busy CPU (tests and benchmarks)")
@@ -256,6 +260,19 @@ def init_distributed(backend: str, timeout: datetime.timedelta) -> None:
                             world_size=world, timeout=timeout)
 
 
+def fr_dump_later(after_s: float, folder: Path, rank: int) -> None:
+    """A daemon timer that writes this rank's Flight Recorder buffer (what a hung job's operator would
+    take with torch's own tools), to read a fault from the dumps alone (docs/comm.md)."""
+    def dump() -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        data = torch._C._distributed_c10d._dump_fr_trace()
+        (folder / f"dump.rank_{rank}.pkl").write_bytes(data)
+
+    timer = threading.Timer(after_s, dump)
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rank_label = os.environ.get("RANK", "0")
@@ -305,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
         log.info("resumed from %s after step %d", checkpoint, state["step"])
     for step in range(start, args.steps):
         faults.step = step
+        if args.fr_dump_after is not None and step == args.fault_step:
+            fr_dump_later(args.fr_dump_after, Path(args.save_path) / "flight_recorder", rank)
         with ot.training_step(step, epoch=0):
             x, y = ott.batch_to_device(next(batches), device, non_blocking=use_cuda)
             loss = nn.functional.cross_entropy(runnable(x), y)

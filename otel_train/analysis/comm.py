@@ -219,7 +219,11 @@ class CommGraph:
             if self.counterpart(op) is not None or self.last_p2p.get((peer, op.rank, other), -1) >= op.seq:
                 return []
             return [peer]
-        return [m for m in self.members(op.group) if m != op.rank and not self.issued(m, op.group, op.seq)]
+        absent = [m for m in self.members(op.group) if m != op.rank and not self.issued(m, op.group, op.seq)]
+        # A member the graph knows nothing of in this group (its dump is missing, its file holds no op)
+        # is unknown, not proven absent: the ranks seen issuing the group's ops before are blamed first.
+        seen = [m for m in absent if (m, op.group) in self.last_seq]
+        return seen or absent
 
     def waiting(self, ranks: Iterable[int] | None = None) -> dict[int, list[CommOp]]:
         """Rank -> the ops it waits in (of ``ranks``, when given), earliest first. An op left open

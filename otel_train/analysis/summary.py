@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ from otel_train.analysis.flight_recorder import read_dumps
 from otel_train.analysis.goodput import goodput
 from otel_train.analysis.records import Warn, logs_dir, warn_to_stderr
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run, load_run
+from otel_train.phases import STEP
 from otel_train.analysis.stats import durations, quantiles
 
 
@@ -54,7 +58,33 @@ def read_fr(path: str | Path, warn: Warn | None = None, run: Run | None = None) 
     except Exception as exc:  # noqa: BLE001 - a broken dump must not cost the summary of the trace
         (warn or warn_to_stderr)(f"warning: {path}: Flight Recorder dumps not read ({type(exc).__name__}: {exc})")
         return [], []
-    return list(dumps.ops), list(dumps.groups.values())
+    return with_steps(dumps.ops, states), list(dumps.groups.values())
+
+
+def with_steps(ops: Sequence[CommOp], states: Sequence[ProcessState]) -> list[CommOp]:
+    """Dump ops with the step they were issued in, where the dump has none: the step whose ``step`` span
+    (closed or still open) on that process holds the op's creation time; the same process's clock, so
+    no alignment is needed. Ops of a rank without trace files keep no step."""
+    spans: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for d in states:
+        series = d.phases.get(STEP)
+        starts, ends, steps = ([], [], []) if series is None else (
+            list(np.frombuffer(series.ends) - np.frombuffer(series.durs) / 1000.0), list(series.ends),
+            list(series.steps))
+        for u in d.unclosed:
+            if u.name == STEP and u.step is not None:
+                starts.append(u.start_ts), ends.append(math.inf), steps.append(u.step)
+        order = np.argsort(starts)
+        spans[(d.rank, d.attempt)] = (np.asarray(starts)[order], np.asarray(ends)[order], np.asarray(steps)[order])
+    out = []
+    for op in ops:
+        found = spans.get((op.rank, op.attempt))
+        if op.step is None and op.start is not None and found is not None and found[0].size:
+            i = int(np.searchsorted(found[0], op.start, side="right")) - 1
+            if i >= 0 and op.start <= found[1][i]:
+                op = dataclasses.replace(op, step=int(found[2][i]))
+        out.append(op)
+    return out
 
 
 def with_dumps(run: Run, fr: str | Path | None, warn: Warn | None = None) -> Run:

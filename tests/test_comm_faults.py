@@ -1,0 +1,199 @@
+"""Communication faults on real torchrun jobs (gloo on CPU), diagnosed by summarize, --fast and watch.
+
+Each job injects one fault of issue 16's list through the example scripts' ``--fault`` flags and
+must be named with the right culprit, group and seq, and no victim named:
+
+* DDP, one rank skips the metric all-reduce → ``hang`` naming that rank, the group, the seq and the op
+  (also live, by ``watch``, within the hang latency bound, and from Flight Recorder dumps alone with
+  collectives off and one rank's dump missing);
+* DDP, one rank broadcasts where the others all-reduce → ``desync``; one all-reduces another size →
+  ``desync``;
+* pipeline 2 stages × 2 data-parallel: a slowed stage → ``straggler`` on that stage's rank; a stage
+  that stops mid-schedule → ``hang`` naming it, the ranks waiting in send/recv as its victims.
+
+Assertions are on who and what, never on how fast (a loaded machine changes durations, not culprits).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otel_train.analysis.fast import summarize_fast
+from otel_train.analysis.summary import summarize
+
+pytest.importorskip("torch.distributed")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+DDP = ("--steps", "12", "--eval-every", "0", "--checkpoint-every", "0", "--hidden", "64")
+STALL_MIN_S = 3.0
+LATENCY_BOUND_S = STALL_MIN_S + 5.0
+"""watch's hang latency bound (docs/watch.md): the stall threshold plus 5 s."""
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return out | {"OMP_NUM_THREADS": "1", "OTEL_TRAIN_STALL_MIN_S": str(STALL_MIN_S)} | extra
+
+
+def launch(script: str, save: Path, ranks: int, *args: str, **extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+           str(EXAMPLES / script), "--save-path", str(save), *args]
+    log = open(save.parent / f"{save.name}.log", "wb")  # noqa: SIM115 - the child holds it
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(**extra), start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes], save: Path, wait_s: float = 0.0) -> None:
+    """Wait up to ``wait_s`` for the job to end by itself, then kill it and every rank of it."""
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        pass
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for entry in Path("/proc").iterdir():  # torchrun starts ranks in sessions of their own
+        try:
+            if entry.name.isdigit() and str(save).encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+def watch_until(save: Path, kinds: str, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    out = subprocess.run([sys.executable, "-m", "otel_train.cli", "watch", str(save), "--json", "--exit-on", kinds,
+                          "--timeout", str(timeout_s)], capture_output=True, text=True, timeout=timeout_s + 30)
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def found(summary: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [f for f in summary["findings"] if f["kind"] == kind]
+
+
+def blamed(summary: dict[str, Any]) -> set[int]:
+    """Ranks named by a hang, desync or straggler finding (victims must never be)."""
+    return {f["rank"] for f in summary["findings"] if f["kind"] in ("hang", "desync", "straggler")}
+
+
+@pytest.fixture(scope="module")
+def skipped(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """3 ranks: rank 1 skips the metric all-reduce of step 4, watched live until the hang is named."""
+    save = tmp_path_factory.mktemp("skip") / "run"
+    save.parent.mkdir(exist_ok=True)
+    proc = launch("train_ddp.py", save, 3, *DDP, "--fault", "skip-collective", "--fault-rank", "1",
+                  "--fault-step", "4", "--timeout-s", "60")
+    try:
+        events = watch_until(save, "hang")
+    finally:
+        stop(proc, save)
+    return save, events
+
+
+def test_skipped_collective_is_a_hang_on_the_op(skipped: tuple[Path, list[dict[str, Any]]]) -> None:
+    save, _ = skipped
+    summary = summarize(save, warn=lambda _: None)
+    (hang,) = found(summary, "hang")
+    comm = hang["comm"]
+    assert hang["rank"] == 1 and comm["op"] == "all_reduce" and comm["missing"] == [1], hang
+    assert sorted(comm["waiting"]) == [0, 2] and "metrics" in hang["message"], hang
+    assert f"#{comm['seq']}" in hang["message"] and blamed(summary) == {1}, summary["findings"]
+    fast = summarize_fast(save, warn=lambda _: None)
+    (fast_hang,) = found(fast, "hang")
+    assert (fast_hang["rank"], fast_hang["comm"]["group"], fast_hang["comm"]["seq"]) == (
+        1, comm["group"], comm["seq"])
+
+
+def test_watch_names_the_skipped_collective_live(skipped: tuple[Path, list[dict[str, Any]]]) -> None:
+    save, events = skipped
+    hangs = [e for e in events if e["type"] == "finding" and e["finding"]["kind"] == "hang"]
+    assert hangs, events
+    f = hangs[0]["finding"]
+    summary_hang = found(summarize(save, warn=lambda _: None), "hang")[0]
+    assert (f["rank"], f["comm"]["group"], f["comm"]["seq"], f["comm"]["op"]) == (
+        1, summary_hang["comm"]["group"], summary_hang["comm"]["seq"], "all_reduce")
+    assert 1 not in f.get("victims", []) and hangs[0]["ts"] - f["since"] <= LATENCY_BOUND_S, f
+
+
+@pytest.mark.parametrize("fault", ["desync-op", "desync-size"])
+def test_desync_names_the_group_the_seq_and_each_side(fault: str, tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    proc = launch("train_ddp.py", save, 3, *DDP, "--fault", fault, "--fault-rank", "2", "--fault-step", "3",
+                  "--timeout-s", "8")
+    try:
+        stop(proc, save, wait_s=90)
+    finally:
+        stop(proc, save)
+    summary = summarize(save, warn=lambda _: None)
+    (desync,) = found(summary, "desync")
+    ops = {int(k): v for k, v in desync["comm"]["ops"].items()}
+    assert desync["rank"] == 2 and set(ops) == {0, 1, 2} and ops[0] == ops[1], desync
+    if fault == "desync-op":
+        assert "broadcast" in ops[2] and "all_reduce" in ops[0], ops
+    else:  # the same op, another size: each side's bytes in the message
+        assert ops[2] == ops[0] == "all_reduce" and len(set(re.findall(r"(\d+) B", desync["message"]))) == 2, desync
+    assert f"seq {desync['comm']['seq']}" in desync["message"] and blamed(summary) == {2}, summary["findings"]
+
+
+def test_slow_pipeline_stage_is_the_straggler(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    proc = launch("train_parallel.py", save, 4, "--mode", "pp", "--steps", "12", "--fault", "slow-stage",
+                  "--fault-rank", "1", "--slow-ms", "100", "--timeout-s", "60")
+    try:
+        stop(proc, save, wait_s=240)
+        assert proc.returncode == 0, (save.parent / "run.log").read_text()[-3000:]
+    finally:
+        stop(proc, save)
+    summary = summarize(save, warn=lambda _: None)
+    stragglers = found(summary, "straggler")
+    assert stragglers and max(stragglers, key=lambda f: f.get("cost_ms") or 0)["rank"] == 1, summary["findings"]
+    assert {f["rank"] for f in stragglers if (f.get("excess_ms") or 0) > 10} == {1}, stragglers
+
+
+def test_stopped_pipeline_stage_is_the_hang_and_its_peers_its_victims(tmp_path: Path) -> None:
+    save = tmp_path / "run"
+    proc = launch("train_parallel.py", save, 4, "--mode", "pp", "--steps", "12", "--fault", "stop-stage",
+                  "--fault-rank", "1", "--fault-step", "3", "--timeout-s", "60")
+    try:
+        events = watch_until(save, "hang")
+    finally:
+        stop(proc, save)
+    summary = summarize(save, warn=lambda _: None)
+    (hang,) = found(summary, "hang")
+    assert hang["rank"] == 1 and 1 not in hang["comm"]["waiting"] and hang["comm"]["waiting"], hang
+    assert blamed(summary) == {1}, summary["findings"]
+    live = [e["finding"] for e in events if e["type"] == "finding" and e["finding"]["kind"] == "hang"]
+    assert live and live[0]["rank"] == 1 and 1 not in live[0].get("victims", []), events
+
+
+def test_skipped_collective_from_flight_recorder_dumps_alone(tmp_path: Path) -> None:
+    """Collectives off: no comm.* span in the files; every rank writes torch's own dump 6 s into the
+    hang, rank 2's is then deleted (a missing rank is named, not fatal): the same culprit, group op."""
+    save = tmp_path / "run"
+    proc = launch("train_ddp.py", save, 3, *DDP, "--fault", "skip-collective", "--fault-rank", "1",
+                  "--fault-step", "4", "--timeout-s", "60", "--fr-dump-after", "6", OTEL_TRAIN_COLLECTIVES="off")
+    try:
+        dumps = save / "flight_recorder"
+        deadline = time.monotonic() + 120
+        while len(list(dumps.glob("dump.rank_*.pkl"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(1.0)  # the last write whole
+    finally:
+        stop(proc, save)
+    assert len(list(dumps.glob("dump.rank_*.pkl"))) == 3, (save.parent / "run.log").read_text()[-3000:]
+    for f in save.glob("structured_logs/*.jsonl"):
+        assert '"comm.' not in f.read_text().replace('"comm.group"', ""), f  # nothing but the dumps
+    (dumps / "dump.rank_2.pkl").unlink()
+    warnings: list[str] = []
+    summary = summarize(save, warn=warnings.append)
+    (hang,) = found(summary, "hang")
+    assert hang["rank"] == 1 and hang["comm"]["op"] == "all_reduce" and 1 in hang["comm"]["missing"], hang
+    assert any("rank 2" in w for w in warnings), warnings
