@@ -46,6 +46,7 @@ def full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple
     except (OSError, subprocess.TimeoutExpired):
         mounted = False
     if mounted:
+        mnt.chmod(0o755)  # a tmpfs is mounted 1777: a run directory anyone may write into is refused at init
         ballast = mnt / "ballast"
         ballast.write_bytes(b"\0" * (256 * 1024))
         try:
