@@ -97,8 +97,9 @@ def test_whatif_names_the_straggler_and_its_cost(runs: dict[str, Path]) -> None:
     assert slow["by_rank"][0]["rank"] == SLOW_RANK and slow["by_phase"][0]["phase"] == DATA_FETCH
     pair = slow["by_rank_phase"][0]
     assert (pair["rank"], pair["phase"]) == (SLOW_RANK, DATA_FETCH) and slow["steps"] == 39
-    # Both runs made typical come to the same step: the straggler's run without its straggler is the clean run.
-    assert slow["step_ms"]["ideal"] == pytest.approx(clean["step_ms"]["ideal"], rel=0.10), (clean, slow)
+    # Within the run: its ideal (every rank and phase made typical) takes out most of the straggler's
+    # 30 ms (comparing it with the clean run's ideal would compare two runs' machines: see calm()).
+    assert slow["step_ms"]["ideal"] < slow["step_ms"]["measured"] - 0.6 * SLOW_MS, slow["step_ms"]
 
 
 def test_whatif_ideal_and_top_rank_match_the_clean_run(runs: dict[str, Path]) -> None:
