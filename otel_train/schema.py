@@ -160,3 +160,35 @@ def comm_span_name(op: str) -> str:
 def comm_op_of(name: str) -> str | None:
     """The op of a ``comm.*`` span name, None for any other name."""
     return name[len(COMM_PREFIX):] if name.startswith(COMM_PREFIX) and name != INSTANT_COMM_GROUP else None
+
+
+# PyTorch Flight Recorder's vocabulary, read by the runtime (its in-process buffer, otel_train/comm)
+# and by the analysis (dump files, otel_train/analysis/flight_recorder.py): one table for both.
+FR_OP_NAMES = {
+    "all_reduce": "all_reduce", "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "all_reduce_coalesced": "all_reduce", "allreduce_sparse": "all_reduce",
+    "all_reduce_barrier": "barrier", "barrier": "barrier",
+    "all_gather": "all_gather", "allgather": "all_gather", "_allgather_base": "all_gather",
+    "allgather_base": "all_gather", "all_gather_base": "all_gather", "all_gather_into_tensor": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+    "allgather_coalesced": "all_gather",
+    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_coalesced": "reduce_scatter",
+    "broadcast": "broadcast", "_broadcast_oop": "broadcast", "reduce": "reduce", "_reduce_oop": "reduce",
+    "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all", "all_to_allv": "all_to_all",
+    "gather": "gather", "scatter": "scatter", "send": "send", "recv": "recv", "recv_anysource": "recv",
+}
+"""Flight Recorder op names (after the ``backend:`` prefix, lower case) -> the ``comm.*`` op."""
+"""``profiling_name`` op part (``gloo:all_reduce`` → ``all_reduce``), lower-cased -> the ``comm.*`` op."""
+FR_ELEMENT_BYTES = {
+    "float": ("float32", 4), "double": ("float64", 8), "half": ("float16", 2), "bfloat16": ("bfloat16", 2),
+    "long": ("int64", 8), "int": ("int32", 4), "short": ("int16", 2), "char": ("int8", 1),
+    "byte": ("uint8", 1), "bool": ("bool", 1), "complexfloat": ("complex64", 8),
+    "complexdouble": ("complex128", 16), "complexhalf": ("complex32", 4),
+    "float8_e4m3fn": ("float8_e4m3fn", 1), "float8_e5m2": ("float8_e5m2", 1),
+    "float8_e4m3fnuz": ("float8_e4m3fnuz", 1), "float8_e5m2fnuz": ("float8_e5m2fnuz", 1),
+    "uint16": ("uint16", 2), "uint32": ("uint32", 4), "uint64": ("uint64", 8),
+}
+"""c10 scalar type names (as dumps spell them, lower-cased) -> (torch dtype name, bytes per element)."""

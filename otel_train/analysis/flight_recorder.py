@@ -17,7 +17,7 @@ The rules, each in one place below:
 * **every file is an incident**: several dumps of one rank are all read; their ops are one list per
   (rank, attempt), an op seen in two incidents once (by group, seq, op and peer), with the state of
   the incident that saw it furthest along (completed > started > scheduled; a tie: the later dump);
-* **an entry is a** :class:`CommOp`: the op from ``profiling_name`` (:data:`OP_NAMES`), group = the
+* **an entry is a** :class:`CommOp`: the op from ``profiling_name`` (:data:`otel_train.schema.FR_OP_NAMES`), group = the
   group's name (``process_group[0]``, what ``ProcessGroup.group_name`` gives and what the trace's
   ``comm.group`` holds), seq = ``collective_seq_id``, for send/recv the per-pair count in the dump's
   entry order (1 for the first send to a peer); bytes = the input tensors' elements × element size;
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otel_train import schema
 from otel_train.analysis.comm import SOURCE_FR, CommOp, Group
 
 Warn = Callable[[str], None]
@@ -49,37 +50,10 @@ Warn = Callable[[str], None]
 MAX_DUMP_BYTES = 512 << 20
 """A file bigger than this is no dump we read (2,000 entries with stacks are a few MB)."""
 
-OP_NAMES = {
-    "all_reduce": "all_reduce", "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
-    "all_reduce_coalesced": "all_reduce", "allreduce_sparse": "all_reduce",
-    "all_reduce_barrier": "barrier", "barrier": "barrier",
-    "all_gather": "all_gather", "allgather": "all_gather", "_allgather_base": "all_gather",
-    "allgather_base": "all_gather", "all_gather_base": "all_gather", "all_gather_into_tensor": "all_gather",
-    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "allgather_coalesced": "all_gather",
-    "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter", "reduce_scatter_coalesced": "reduce_scatter",
-    "broadcast": "broadcast", "_broadcast_oop": "broadcast", "reduce": "reduce", "_reduce_oop": "reduce",
-    "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
-    "all_to_all_single": "all_to_all", "all_to_allv": "all_to_all",
-    "gather": "gather", "scatter": "scatter", "send": "send", "recv": "recv", "recv_anysource": "recv",
-}
-"""Flight Recorder op names (after the ``backend:`` prefix, lower case) -> the ``comm.*`` op."""
 DEFAULT_PG = "default_pg"
 COALESCED = "coalesced"
 """An entry that stands for a batch of ops recorded on their own: not an op of its own."""
 
-ELEMENT_BYTES = {
-    "float": ("float32", 4), "double": ("float64", 8), "half": ("float16", 2), "bfloat16": ("bfloat16", 2),
-    "long": ("int64", 8), "int": ("int32", 4), "short": ("int16", 2), "char": ("int8", 1),
-    "byte": ("uint8", 1), "bool": ("bool", 1), "complexfloat": ("complex64", 8),
-    "complexdouble": ("complex128", 16), "complexhalf": ("complex32", 4),
-    "float8_e4m3fn": ("float8_e4m3fn", 1), "float8_e5m2": ("float8_e5m2", 1),
-    "float8_e4m3fnuz": ("float8_e4m3fnuz", 1), "float8_e5m2fnuz": ("float8_e5m2fnuz", 1),
-    "uint16": ("uint16", 2), "uint32": ("uint32", 4), "uint64": ("uint64", 8),
-}
-"""c10 scalar type names (as dumps spell them, lower-cased) -> (torch dtype name, bytes per element)."""
 
 _STATE_ORDER = {"scheduled": 0, "started": 1, "completed": 2}
 _RANK_IN_NAME = re.compile(r"rank[_\-.]?(\d+)", re.IGNORECASE)
@@ -356,7 +330,7 @@ def _op_and_peer(profiling_name: Any, rank: int, unknown: set[str]) -> tuple[str
     head, _, meta = name.partition(" ")
     if head.lower() == COALESCED:
         return None, None
-    op = OP_NAMES.get(head.lower())
+    op = schema.FR_OP_NAMES.get(head.lower())
     if op is None:
         unknown.add(head[:60] or "''")
         return None, None
@@ -407,7 +381,7 @@ def _size(entry: dict) -> tuple[int | None, str | None]:
     total = 0
     names = []
     for shape, dtype in zip(sizes, dtypes):
-        known = ELEMENT_BYTES.get(str(dtype).lower())
+        known = schema.FR_ELEMENT_BYTES.get(str(dtype).lower())
         if known is None or not isinstance(shape, list) or not all(type(d) is int for d in shape):
             return None, str(dtype).lower() if dtype is not None else None
         names.append(known[0])

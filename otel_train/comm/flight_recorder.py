@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from otel_train import _report
+from otel_train import schema as S
 
 ENV_BUFFER = "TORCH_FR_BUFFER_SIZE"
 ENV_BUFFER_OLD = "TORCH_NCCL_TRACE_BUFFER_SIZE"
@@ -35,26 +36,6 @@ MAX_READ_SHARE = 0.02
 """A read that took d seconds of CPU waits at least d / MAX_READ_SHARE before the next one."""
 MAX_STALL_DUMPS = 20
 
-OP_NAMES = {
-    "all_reduce": "all_reduce", "allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
-    "all_reduce_coalesced": "all_reduce", "barrier": "barrier", "all_reduce_barrier": "barrier",
-    "all_gather": "all_gather", "allgather": "all_gather", "_allgather_base": "all_gather",
-    "allgather_base": "all_gather", "all_gather_into_tensor": "all_gather",
-    "allgather_into_tensor_coalesced": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
-    "allgather_coalesced": "all_gather", "reduce_scatter": "reduce_scatter",
-    "_reduce_scatter_base": "reduce_scatter", "reduce_scatter_base": "reduce_scatter",
-    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "broadcast": "broadcast", "_broadcast_oop": "broadcast", "reduce": "reduce", "_reduce_oop": "reduce",
-    "all_to_all": "all_to_all", "alltoall": "all_to_all", "alltoall_base": "all_to_all",
-    "gather": "gather", "scatter": "scatter",
-}
-"""Flight Recorder op names (after ``backend:``) of the collectives the recorder takes from the buffer."""
-ELEMENT_BYTES = {
-    "float": ("float32", 4), "double": ("float64", 8), "half": ("float16", 2), "bfloat16": ("bfloat16", 2),
-    "long": ("int64", 8), "int": ("int32", 4), "short": ("int16", 2), "char": ("int8", 1),
-    "byte": ("uint8", 1), "bool": ("bool", 1), "complexfloat": ("complex64", 8), "complexdouble": ("complex128", 16),
-}
-"""c10 scalar type names, lower-cased -> (torch dtype name, bytes per element)."""
 
 
 def buffer_size_from_env() -> int:
@@ -159,13 +140,13 @@ def entry_op(entry: dict[str, Any]) -> str | None:
     if entry.get("is_p2p"):
         return None
     name = str(entry.get("profiling_name") or "")
-    return OP_NAMES.get(name.rsplit(":", 1)[-1].lower())
+    return S.FR_OP_NAMES.get(name.rsplit(":", 1)[-1].lower())
 
 
 def entry_bytes(entry: dict[str, Any]) -> tuple[int, str | None]:
     total, dtype = 0, None
     for sizes, type_name in zip(entry.get("input_sizes") or [], entry.get("input_dtypes") or []):
-        name, size = ELEMENT_BYTES.get(str(type_name).lower(), (str(type_name).lower(), 0))
+        name, size = S.FR_ELEMENT_BYTES.get(str(type_name).lower(), (str(type_name).lower(), 0))
         dtype = dtype or name
         count = 1
         for dim in sizes:
