@@ -166,10 +166,14 @@ def where(out: Path) -> None:
     trace = out / "straggler" / "analysis" / "structured_trace.json"
     subprocess.run(command("export", str(out / "straggler"), "--output", str(trace)), check=True,
                    capture_output=True, timeout=120)
+    heat = out / "straggler" / "analysis" / "whatif.png"
+    subprocess.run(command("whatif", str(out / "straggler"), "--json", "--plot", str(heat)), check=True,
+                   capture_output=True, timeout=120)
     say("\n== Where to look next")
     say(f"  Perfetto trace of the straggler run: {trace}")
     viewer = os.path.relpath(Path(sys.executable).parent / "vizviewer")
     say(f"  open it at https://ui.perfetto.dev (Open trace file), or offline: {viewer} {trace}")
+    say(f"  what-if heatmap (rank x phase) of the straggler run: {heat} (any image viewer)")
     say(f"  trace files: {out}/<run>/structured_logs/  (every run: otel-train summarize / whatif / export)")
 
 

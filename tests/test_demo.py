@@ -55,8 +55,10 @@ def test_desync_names_group_seq_and_both_ops(story: tuple[str, Path]) -> None:
     assert re.search(r"seq \d+|#\d+", line) and "group" in line, line
 
 
-def test_ends_with_the_perfetto_trace(story: tuple[str, Path]) -> None:
+def test_ends_with_the_perfetto_trace_and_the_heatmap(story: tuple[str, Path]) -> None:
     text, out = story
     trace = out / "straggler" / "analysis" / "structured_trace.json"
     assert trace.is_file() and str(trace) in text and "vizviewer" in text
+    heat = out / "straggler" / "analysis" / "whatif.png"
+    assert heat.read_bytes().startswith(b"\x89PNG") and str(heat) in text
     assert len(max(text.splitlines(), key=len)) < 400  # short enough for a terminal and a CI log

@@ -1,9 +1,9 @@
-"""``otel-train whatif PATH [--json]``: what each rank's and each phase's slowness costs per step."""
+"""``otel-train whatif PATH [--json] [--plot FILE]``: what each rank's and each phase's slowness costs per step."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
@@ -12,7 +12,7 @@ from rich.table import Table
 from otel_train.analysis.whatif import SYNC_PHASES, whatif as whatif_run
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
+from otel_train.cli._common import cli_errors, fail, fmt_ms, load, print_json, warn
 
 SHOWN = 10
 MIN_PCT = 1.0
@@ -27,6 +27,8 @@ def whatif(
                              help="Phases that end with a collective (data parallel: backward's all-reduce)."),
     no_align: bool = typer.Option(False, "--no-align",
                                   help="Compare hosts on their raw clocks, not the estimate (docs/clock.md)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+                                        help="Also draw the slowdown heatmap, rank x phase, as PNG or SVG (by suffix)."),
 ) -> None:
     """How much faster each step would be with each rank, and each phase, made typical (replayed
     through the synchronisation the spans show: every rank waits for the slowest at each collective)."""
@@ -34,11 +36,24 @@ def whatif(
         run = load(path)
         run.align = not no_align
         result = whatif_run(run, sync=[s.strip() for s in sync.split(",") if s.strip()])
+        if plot is not None:
+            _plot(result, plot)
         if as_json:
             print_json(result)
         else:
             _render(clean(result), console())
             _clock_line(run, console())
+
+
+def _plot(result: dict[str, Any], path: Path) -> None:
+    from otel_train.analysis.plot import write_heatmap
+
+    try:
+        warn(f"heatmap: {write_heatmap(result, path)}")
+    except ValueError as exc:
+        fail(str(exc))
+    except ImportError:
+        fail(f"--plot {path}: matplotlib is not installed; pip install 'otel-train[analysis]'")
 
 
 def _clock_line(run: Any, out: Console) -> None:

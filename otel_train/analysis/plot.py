@@ -1,0 +1,67 @@
+"""The what-if heatmap (``otel-train whatif --plot FILE``): attributed slowdown, rank × phase.
+
+A renderer of :func:`otel_train.analysis.whatif.whatif`'s answer, nothing more: each cell is the
+slowdown of the step made by that rank's slowness in that phase (``by_rank_phase``: the step time
+with only that pair as measured over the step time with it made typical), 1.0 where the pair costs
+nothing. The brightest cell is where the step's time goes. PNG or SVG by the file's suffix, drawn
+with matplotlib (the ``analysis`` extra), headless. Text from trace files (phase names) is drawn as
+plain text, never parsed as mathtext (docs/analysis.md, "What-if heatmap").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+SUFFIXES = (".png", ".svg")
+MAX_PHASES = 24
+"""Phases drawn at most (those that cost the most); the rest are left out of the picture, not of --json."""
+
+
+def heatmap_grid(result: dict[str, Any]) -> tuple[list[int], list[str], list[list[float]]]:
+    """(ranks, phases, slowdown[rank][phase]) from a whatif answer; phases ordered by their cost."""
+    pairs = result.get("by_rank_phase") or []
+    cost: dict[str, float] = {}
+    for p in pairs:
+        cost[p["phase"]] = cost.get(p["phase"], 0.0) + max(0.0, float(p.get("cost_ms") or 0.0))
+    phases = sorted(cost, key=lambda n: -cost[n])[:MAX_PHASES]
+    ranks = sorted({int(r["rank"]) for r in result.get("by_rank") or []} | {int(p["rank"]) for p in pairs})
+    grid = [[1.0] * len(phases) for _ in ranks]
+    where = {(r, n): (i, j) for i, r in enumerate(ranks) for j, n in enumerate(phases)}
+    for p in pairs:
+        cell = where.get((int(p["rank"]), p["phase"]))
+        if cell is not None:
+            grid[cell[0]][cell[1]] = float(p["slowdown"])
+    return ranks, phases, grid
+
+
+def write_heatmap(result: dict[str, Any], path: str | Path) -> Path:
+    """Draw the heatmap of ``result`` into ``path`` (``.png`` or ``.svg``); ValueError for another suffix
+    or an answer with nothing to draw, ImportError without matplotlib."""
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise ValueError(f"--plot {path}: the heatmap is written as PNG or SVG; name the file *.png or *.svg")
+    ranks, phases, grid = heatmap_grid(result)
+    if not ranks or not phases:
+        raise ValueError(f"--plot {path}: no rank and phase to draw (whatif replayed no steps)")
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.2 + 0.75 * len(phases), 1.2 + 0.45 * len(ranks)), layout="constrained")
+    try:
+        image = ax.imshow(grid, cmap="magma", aspect="auto", vmin=1.0, vmax=max(1.0001, max(map(max, grid))))
+        ax.set_xticks(range(len(phases)), phases, rotation=40, ha="right", usetex=False)
+        for label in ax.get_xticklabels():
+            label.set_parse_math(False)  # a phase name is data, not mathtext
+        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+        ms = result.get("step_ms") or {}
+        ax.set_title(f"what-if slowdown per rank × phase (step {ms.get('actual', 0):.1f} ms, "
+                     f"ideal {ms.get('ideal', 0):.1f} ms)", fontsize=9)
+        fig.colorbar(image, ax=ax, label="slowdown")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
