@@ -66,7 +66,7 @@ images: install chromium
 	  $(BIN)/python -m pytest -q tests/test_perfetto_ui.py -k pictures
 
 test: install chromium faketime phoenix
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The fault suite with more trials; rewrites docs/reliability.md's table (tests/faults/report.py).
 .PHONY: faults
