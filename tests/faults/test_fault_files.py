@@ -23,13 +23,25 @@ def train(steps: range) -> None:
                 pass
 
 
+class _NoTicks:
+    """A file-check ticker that never ticks."""
+
+    def add(self, writer: object) -> None:
+        pass
+
+    def remove(self, writer: object) -> None:
+        pass
+
+
 def test_run_directory_recreated_just_before_shutdown(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     count = trials(3)
     holds = ("shutdown itself finds the deleted file: the deletion is reported on stderr, the new file holds "
              "an otel_train.write_errors notice counting the lost records, then process_end")
-    # No periodic check fires during the test: only shutdown's own can find the deletion.
-    monkeypatch.setattr(writer_module, "CHECK_INTERVAL_S", 3600.0)
+    # No periodic check fires during the test: only shutdown's own can find the deletion. The writers
+    # made here join a ticker that never ticks (patching the interval would leave the process's one
+    # ticker thread asleep for an hour: every later test's periodic check with it).
+    monkeypatch.setattr(writer_module, "_ticker", _NoTicks())
     with reported("run directory deleted and re-created < 1 s before shutdown", holds, count):
         for trial in range(count):
             run = tmp_path / f"run{trial}"
