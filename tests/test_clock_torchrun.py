@@ -72,9 +72,9 @@ def _check_clock(summary: dict, span_s: float, samples: int = 20) -> dict:
 
 def test_faketime_straggler_is_the_honest_one(tmp_path: Path) -> None:
     # 250 steps of ~0.2 s: the collectives span more than the 20 s a drift needs (docs/clock.md).
-    args = ("--slow-rank", "1", "--slow-phase", "data_fetch", "--slow-ms", "150")
-    honest = _job(tmp_path / "honest", HONEST, "--steps", "40", *args)  # the straggler needs no drift to be seen
-    skewed = _job(tmp_path / "skewed", FAKE, "--steps", "250", *args)
+    args = ("--steps", "250", "--slow-rank", "1", "--slow-phase", "data_fetch", "--slow-ms", "150")
+    honest = _job(tmp_path / "honest", HONEST, *args)
+    skewed = _job(tmp_path / "skewed", FAKE, *args)
     assert _hosts(skewed) == {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
     h_rows = {r["host"]: r for r in honest["clock"]}
     assert abs(h_rows["host-b"]["offset_ms"]) < 10.0  # one machine: the same clock
