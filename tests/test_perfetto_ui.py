@@ -13,6 +13,7 @@ import http.server
 import shutil
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,20 @@ def browser() -> Iterator[object]:
         b.close()
 
 
+@contextmanager
+def opened(browser, ui_server, trace: Path, width: int = 1400, height: int = 900) -> Iterator[object]:
+    """A page of the UI with ``trace`` loaded (its first process shown), closed afterwards."""
+    url, handler = ui_server
+    handler.trace = trace
+    page = browser.new_page(viewport={"width": width, "height": height})
+    try:
+        page.goto(url)
+        page.get_by_text("rank 0").first.wait_for(timeout=LOAD_TIMEOUT_MS)
+        yield page
+    finally:
+        page.close()
+
+
 def sql(page, query: str, alias: str) -> int:
     """Run ``query`` (one integer column named ``alias``) in the omnibox's SQL mode; its value."""
     box = page.locator(".pf-omnibox input")
@@ -111,13 +126,7 @@ def test_perfetto_ui_loads_export(fmt: str, ui_server, browser, tmp_path_factory
     result = export(run, fmt, shots / ("t.json" if fmt == "chrome" else "t.pftrace"))
     if fmt == "chrome":
         assert validate_chrome_trace(result.output) == []
-    url, handler = ui_server
-    handler.trace = result.output
-
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    try:
-        page.goto(url)
-        page.get_by_text("rank 0").first.wait_for(timeout=LOAD_TIMEOUT_MS)
+    with opened(browser, ui_server, result.output) as page:
         # Perfetto stores instants as zero-length slices.
         assert sql(page, "select count(*) as n_slices from slice", "n_slices") == result.slices + result.instants
         assert sql(page, "select count(*) as n_zero from slice where dur = 0 and name = 'marker'", "n_zero") == 6
@@ -131,8 +140,6 @@ def test_perfetto_ui_loads_export(fmt: str, ui_server, browser, tmp_path_factory
         shot = shots / f"perfetto_{fmt}.png"
         page.screenshot(path=str(shot))
         assert shot.stat().st_size > 10_000
-    finally:
-        page.close()
 
 
 @pytest.mark.parametrize("fmt", ["chrome", "perfetto"])
@@ -145,12 +152,7 @@ def test_perfetto_ui_shows_comm_flows(fmt: str, ui_server, browser, tmp_path: Pa
     run = hung_run(tmp_path / "run")
     result = export(run, fmt, tmp_path / ("t.json" if fmt == "chrome" else "t.pftrace"))
     assert result.flows == 7
-    url, handler = ui_server
-    handler.trace = result.output
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    try:
-        page.goto(url)
-        page.get_by_text("rank 0").first.wait_for(timeout=LOAD_TIMEOUT_MS)
+    with opened(browser, ui_server, result.output) as page:
         assert sql(page, "select count(*) as n_flows from flow", "n_flows") == result.flows
         assert sql(page, "select count(*) as n_comm_threads from thread where name = 'comm'", "n_comm_threads") == 3
         on_comm = ("select count(*) as n_on_comm from slice join thread_track on slice.track_id = thread_track.id "
@@ -159,8 +161,6 @@ def test_perfetto_ui_shows_comm_flows(fmt: str, ui_server, browser, tmp_path: Pa
         assert sql(page, "select count(*) as n_culprit from slice where name = 'culprit'", "n_culprit") == 1
         bad = "select count(*) as n_bad from stats where severity in ('error', 'data_loss') and value > 0"
         assert sql(page, bad, "n_bad") == 0
-    finally:
-        page.close()
 
 
 def _demo_trace(tmp_path: Path) -> Path:
@@ -187,12 +187,7 @@ def test_perfetto_ui_pictures_a_real_job_with_its_collectives(ui_server, browser
     screenshot is the README's picture when ``OTEL_TRAIN_IMAGES`` names a folder (``make images``)."""
     import os
 
-    url, handler = ui_server
-    handler.trace = _demo_trace(tmp_path)
-    page = browser.new_page(viewport={"width": 1600, "height": 1700})
-    try:
-        page.goto(url)
-        page.get_by_text("rank 0").first.wait_for(timeout=LOAD_TIMEOUT_MS)
+    with opened(browser, ui_server, _demo_trace(tmp_path), 1600, 1700) as page:
         assert sql(page, "select count(*) as n_flows from flow", "n_flows") > 0
         assert sql(page, "select count(*) as n_ar from slice where name = 'comm.all_reduce'", "n_ar") > 0
         page.keyboard.press("Escape")
@@ -208,5 +203,3 @@ def test_perfetto_ui_pictures_a_real_job_with_its_collectives(ui_server, browser
         shot = Path(os.environ.get("OTEL_TRAIN_IMAGES") or tmp_path) / "perfetto-demo.png"
         page.screenshot(path=str(shot))
         assert shot.stat().st_size > 10_000
-    finally:
-        page.close()
