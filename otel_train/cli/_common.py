@@ -2,47 +2,72 @@
 
 Exit codes: 0 ok; 2 the path holds no trace files (or is not a directory); 1 anything else (a
 one-line ``error:`` message, never a traceback).
+
+Start-up: every command module imports this one when ``otel-train`` starts, so it imports neither the
+analysis, nor msgspec, nor rich at module level; each function imports what it uses when it runs
+(docs/benchmarks.md, "Start-up"; tests/test_cli_imports.py).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import msgspec
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from otel_train.analysis.comm import rank_ranges
-from otel_train.analysis.records import TraceReadError, find_process_files
-from otel_train.analysis.spans import Run, load_run
 from otel_train.cli._text import clean, json_safe, printable
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from otel_train.analysis.spans import Run
 
 EXIT_NO_TRACES = 2
 EXIT_FAILURE = 1
 
-stderr = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
-"""Where warnings, errors and the progress bar go (stdout stays clean for --json and pipes)."""
+_TERMINAL_ENV = ("FORCE_TERMINAL", "TTY_COMPATIBLE", "FORCE_COLOR")
+"""Variables with which rich may call a stream a terminal when ``isatty()`` says it is not."""
+
+
+@cache
+def err_console() -> Console:
+    """Where warnings, errors and the progress bar go (stdout stays clean for --json and pipes); made on
+    first use, so a command that warns about nothing never imports rich for it."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
+
+
+def stderr_is_terminal() -> bool:
+    """Whether the progress bar would draw: rich's own answer, asked only when stderr could be a terminal."""
+    try:
+        maybe = sys.stderr.isatty() or any(v in os.environ for v in _TERMINAL_ENV)
+    except (AttributeError, ValueError):  # no stderr, or a closed one
+        maybe = any(v in os.environ for v in _TERMINAL_ENV)
+    return maybe and err_console().is_terminal
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print ``error: message`` as one line on stderr and exit with ``code``."""
-    stderr.print(f"error: {printable(' '.join(message.split()))}", markup=False)
+    err_console().print(f"error: {printable(' '.join(message.split()))}", markup=False)
     raise typer.Exit(code)
 
 
 def warn(message: str) -> None:
     """One warning line on stderr (goes above a running progress bar)."""
-    stderr.print(printable(message), markup=False)
+    err_console().print(printable(message), markup=False)
 
 
 @contextmanager
 def cli_errors() -> Iterator[None]:
     """Run a command body: TraceReadError exits 2, other failures exit 1, each with one line."""
+    from otel_train.analysis.records import TraceReadError  # here: --help never loads the reader
+
     try:
         yield
     except (typer.Exit, typer.Abort, SystemExit):
@@ -68,18 +93,24 @@ def byte_progress(path: str | Path, label: str) -> Iterator[Callable[[int], None
 
     Raises TraceReadError first when ``path`` holds no trace files.
     """
+    from otel_train.analysis.records import find_process_files
+
     total = sum(pf.size for pf in find_process_files(path))
-    if not stderr.is_terminal:
+    if not stderr_is_terminal():
         yield None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     columns = (TextColumn(label), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=stderr, transient=True) as bar:
+    with Progress(*columns, console=err_console(), transient=True) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
 
 
 def load(path: str | Path, label: str = "reading") -> Run:
     """Digest the run at ``path`` with progress and warnings on stderr; reports skipped lines."""
+    from otel_train.analysis.spans import load_run
+
     with byte_progress(path, label) as progress:
         run = load_run(path, warn=warn, progress=progress)
     note_malformed(run.malformed_lines)
@@ -94,6 +125,8 @@ def note_malformed(count: int) -> None:
 
 def print_json(obj: Any) -> None:
     """Write ``obj`` as indented JSON on stdout (NaN and infinities become null)."""
+    import msgspec
+
     try:
         raw = msgspec.json.encode(obj)
     except UnicodeEncodeError:  # a lone surrogate from a trace file: written as its escape instead
@@ -112,6 +145,8 @@ def fmt_ms(value: float | None) -> str:
 
 def comm_line(comm: dict[str, Any]) -> str:
     """A finding's ``comm`` object in one line: ``group 0 seq 5 all_reduce; waiting 0–4, 6, 7; missing 5``."""
+    from otel_train.analysis.comm import rank_ranges
+
     parts = [f"group {comm['group']} seq {comm['seq']} {comm['op']}"]
     if comm.get("waiting"):
         parts.append(f"waiting {rank_ranges(comm['waiting'])}")

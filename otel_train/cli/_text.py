@@ -20,9 +20,10 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from rich.console import Console
+if TYPE_CHECKING:
+    from rich.console import Console
 
 MAX_CHARS = 2000
 """Longest text printed from a trace file in text mode (names, messages); the rest is cut."""
@@ -70,6 +71,8 @@ def console(stderr: bool = False) -> Console:
     """A console that prints text as text: no markup, no highlighting, no emoji codes; at the natural
     width (or ``COLUMNS``) when its stream is not a terminal."""
     stream: TextIO = sys.stderr if stderr else sys.stdout
+    from rich.console import Console  # imported here: a command that prints no table never loads rich
+
     width: int | None = None
     if os.environ.get("COLUMNS", "").isdigit():
         width = int(os.environ["COLUMNS"])
