@@ -152,6 +152,19 @@ def test_export_formats_are_leaves() -> None:
         assert siblings <= {"otel_train.analysis.export.layout"}, f"{leaf} imports {siblings}"
 
 
+def test_reading_is_the_bottom_layer() -> None:
+    """otel_train/analysis/reading/ turns files into records and knows nothing above it: it imports
+    only the shared vocabulary (schema, sketch) and its own modules; records.py only re-exports it."""
+    reading = [n for n in MODULES if n.startswith("otel_train.analysis.reading")]
+    assert len(reading) > 1, "otel_train/analysis/reading/ has no modules"
+    allowed = {"otel_train", "otel_train.schema", "otel_train.sketch"}
+    for name in reading:
+        above = {d for d in GRAPH[name] if d not in allowed and not d.startswith("otel_train.analysis.reading")}
+        assert above == set(), f"{name} imports {above}"
+    shim = {d for d in GRAPH["otel_train.analysis.records"] if not d.startswith("otel_train.analysis.reading")}
+    assert shim <= {"otel_train", "otel_train.analysis"}, shim
+
+
 def test_no_long_functions_in_analysis() -> None:
     long = []
     for name, path in MODULES.items():
