@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
-from rich.text import Text
-from rich.table import Table
 
-from otel_train.analysis.diff import Thresholds, diff_runs
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
 from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
 
+if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
+    from rich.console import Console
+
 SHOWN = 20
-_DEFAULT = Thresholds()
+DEFAULT_MAX_P, DEFAULT_MIN_PCT, DEFAULT_MIN_MS = 0.01, 5.0, 0.5
+"""otel_train.analysis.diff.Thresholds' defaults, without importing the analysis (numpy) at start-up
+(tests/test_cli_imports.py checks that the two agree)."""
 
 
 @app.command()
@@ -24,14 +25,16 @@ def diff(
     path_a: Path = typer.Argument(..., help="Run A (the baseline): run directory or its structured_logs/."),
     path_b: Path = typer.Argument(..., help="Run B (compared against A)."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as one JSON object."),
-    max_p: float = typer.Option(_DEFAULT.max_p, "--max-p", min=0.0, max=1.0,
+    max_p: float = typer.Option(DEFAULT_MAX_P, "--max-p", min=0.0, max=1.0,
                                 help="A change is significant below this Mann-Whitney p-value."),
-    min_pct: float = typer.Option(_DEFAULT.min_pct, "--min-pct", min=0.0, help="... and at least this % of A's median"),
-    min_ms: float = typer.Option(_DEFAULT.min_ms, "--min-ms", min=0.0, help="... and at least this many ms."),
+    min_pct: float = typer.Option(DEFAULT_MIN_PCT, "--min-pct", min=0.0, help="... and at least this % of A's median"),
+    min_ms: float = typer.Option(DEFAULT_MIN_MS, "--min-ms", min=0.0, help="... and at least this many ms."),
 ) -> None:
     """Did B get slower? p50/p95 per phase and per rank x phase in both runs, the change and its
     significance; regressions and improvements that are significant and big enough."""
     with cli_errors():
+        from otel_train.analysis.diff import Thresholds, diff_runs
+
         a = load(path_a, "reading A")
         b = load(path_b, "reading B")
         result = diff_runs(a, b, Thresholds(max_p, min_pct, min_ms))
@@ -67,6 +70,9 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def _render(result: dict[str, Any], out: Console) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     steps, th = result["steps"], result["thresholds"]
     aligned = f"on the {steps['shared']} steps both ran" if steps["shared"] else "on all steps (no step numbers shared)"
     out.print(f"B against A {aligned}; a finding needs p < {th['max_p']:g}, >= {th['min_pct']:g} % and "

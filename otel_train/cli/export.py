@@ -8,8 +8,6 @@ from typing import Optional
 
 import typer
 
-from otel_train.analysis.export import FORMATS, export as export_run
-from otel_train.analysis.records import Reader
 from otel_train.cli._app import app
 from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
 
@@ -67,6 +65,9 @@ def export(
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
+        from otel_train.analysis.export import FORMATS, export as export_run  # here: start-up stays small
+        from otel_train.analysis.records import Reader
+
         if fmt not in FORMATS:
             fail(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
         try:

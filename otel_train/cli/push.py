@@ -12,7 +12,6 @@ from typing import List, Optional
 
 import typer
 
-from otel_train.analysis.records import Reader, TraceReadError
 from otel_train.cli._app import app
 from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
 
@@ -65,6 +64,8 @@ def push(
     other failure (one line naming the endpoint).
     """
     with cli_errors():
+        from otel_train.analysis.records import Reader, TraceReadError  # here: start-up stays small
+
         if idle_exit is not None and not follow_:
             fail("--idle-exit only applies with --follow")
         if follow_ and not path.is_dir():

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import csv
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from otel_train.analysis.stats import compute_stats, median
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
 from otel_train.cli._common import cli_errors, fmt_ms, load, print_json, warn
+
+if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
+    from rich.console import Console
 
 SLOWEST_STEPS_SHOWN = 10
 
@@ -28,6 +28,8 @@ def stats(
 ) -> None:
     """Per phase x rank timings, per-step breakdown with idle time, straggler scores vs. peers."""
     with cli_errors():
+        from otel_train.analysis.stats import compute_stats
+
         result = compute_stats(load(path))
         if csv_file is not None:
             write_steps_csv(result["steps"], csv_file)
@@ -55,6 +57,10 @@ def write_steps_csv(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def _render(result: dict[str, Any], out: Console) -> None:
+    from rich.table import Table
+
+    from otel_train.analysis.stats import median
+
     table = Table(title="Phases per rank (ms)", title_justify="left")
     for col in ("phase", "rank", "att", "count", "mean", "p50", "p95", "max"):
         table.add_column(col, justify="left" if col == "phase" else "right")

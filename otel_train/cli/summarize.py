@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from otel_train.analysis.fast import summarize_fast
-from otel_train.analysis.stacks import describe_stack
-from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
 from otel_train.cli._common import cli_errors, comm_line, fmt_ms, load, print_json, warn
+
+if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
+    from rich.console import Console
 
 
 @app.command()
@@ -41,6 +39,9 @@ def summarize(
     with cli_errors():
         if fr is not None and not fr.exists():
             warn(f"warning: --fr {fr}: no such file or directory; summarizing without Flight Recorder dumps")
+        from otel_train.analysis.fast import summarize_fast
+        from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
+
         if fast:
             summary = summarize_fast(path, warn=warn, fr=fr, align=not no_align)
         else:
@@ -60,6 +61,10 @@ def _ts(ts: float | None) -> str:
 
 
 def _render(summary: dict[str, Any], out: Console) -> None:
+    from rich.table import Table
+
+    from otel_train.analysis.stacks import describe_stack
+
     findings = summary["findings"]
     if findings:
         table = Table(title="Findings", title_justify="left", show_lines=False)
@@ -113,6 +118,8 @@ def _render_clock(summary: dict[str, Any], out: Console) -> None:
     hosts = sorted({p["host"] for p in summary["processes"] if p["host"] is not None})
     if len(hosts) < 2:
         return
+    from rich.table import Table
+
     rows = summary.get("clock") or []
     if not rows:
         out.print(f"Clocks: {len(hosts)} hosts, not aligned (--no-align, or no blocking collective across hosts "
@@ -132,6 +139,8 @@ def _render_clock(summary: dict[str, Any], out: Console) -> None:
 
 
 def _render_phases(rows: list[dict[str, Any]], out: Console) -> None:
+    from rich.table import Table
+
     approx = any(ph.get("approx") for ph in rows)
     phases = Table(title="Phases (ms, approximate: from digests)" if approx else "Phases (ms)", title_justify="left")
     for col in ("phase", "count", "p50", "p95", "max", "slowest rank/att/step"):
@@ -149,6 +158,8 @@ def _render_goodput(g: dict[str, Any], out: Console) -> None:
     wall = g["wall_s"]
     if not wall:
         return
+    from rich.table import Table
+
     parts = [("productive steps", g["productive_s"]), ("before the first step", g["init_s"]),
              ("checkpoint", g["checkpoint_s"]), ("eval", g["eval_s"]),
              ("steps done again after a restart (lost)", g["lost_s"]), ("restart downtime", g["restart_s"]),

@@ -7,28 +7,27 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import msgspec
 import typer
-from rich.console import Group
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
 
-from otel_train.analysis.findings import FINDING_KINDS
-from otel_train.analysis.live import LiveRun
-from otel_train.analysis.records import TraceReadError
-from otel_train.analysis.summary import FR_DIR, read_fr
 from otel_train.schema import STRUCTURED_LOGS_DIR
-from otel_train.analysis.stacks import describe_stack
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console, json_safe, printable
 from otel_train.cli._common import cli_errors, comm_line, fail, note_malformed, warn
 
+if TYPE_CHECKING:  # rich, msgspec and the analysis are imported where they are used: start-up stays small
+    from rich.console import Group
+    from rich.text import Text
+
+    from otel_train.analysis.live import LiveRun
+
 EXIT_FINDING = 3
 POLL_S = 0.5
 HOOK_WAIT_S = 10.0
+FINDING_KINDS = ("hang", "crash", "error", "straggler", "restart", "desync", "clock_skew")
+"""otel_train.analysis.findings.FINDING_KINDS, for --exit-on's help, without importing the analysis at start-up
+(tests/test_cli_imports.py checks that the two agree)."""
 
 
 @app.command()
@@ -53,6 +52,10 @@ def watch(
 ) -> None:
     """Follow a run as it is written: a live table, findings (hang, crash, error, straggler, restart) as they happen."""
     with cli_errors():
+        from otel_train.analysis.live import LiveRun
+        from otel_train.analysis.records import TraceReadError
+        from otel_train.analysis.summary import FR_DIR, read_fr
+
         kinds = {k.strip() for k in exit_on.split(",") if k.strip()}
         unknown = sorted(kinds - set(FINDING_KINDS))
         if unknown:
@@ -98,6 +101,8 @@ class _JsonLines:
     """One JSON object per line on stdout, flushed at once (for pipes and scripts)."""
 
     def event(self, event: dict[str, Any]) -> None:
+        import msgspec
+
         try:
             line = msgspec.json.encode(event)
         except UnicodeEncodeError:  # a lone surrogate from a trace file: written as its escape instead
@@ -119,6 +124,8 @@ class _Table:
     """A rich live table, one row per process, with the findings under it."""
 
     def __init__(self, live: LiveRun) -> None:
+        from rich.live import Live
+
         self.live = live
         self.console = console()
         self.lines: list[Text] = []
@@ -126,6 +133,10 @@ class _Table:
         self.view.start()
 
     def event(self, event: dict[str, Any]) -> None:
+        from rich.text import Text
+
+        from otel_train.analysis.stacks import describe_stack
+
         f = clean(event["finding"])
         style = "bold red" if event["type"] == "finding" and f["kind"] in ("hang", "crash", "desync") else "yellow"
         label = f["kind"] if event["type"] == "finding" else f"resolved {f['kind']}"
@@ -146,6 +157,10 @@ class _Table:
         self.view.stop()
 
     def _render(self) -> Group:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
         table = Table(title=f"otel-train watch {printable(str(self.live.tail.path))}", title_justify="left")
         for col in ("rank", "att", "step", "open spans", "open for", "state"):
             table.add_column(col, overflow="fold")
@@ -184,6 +199,8 @@ class _Hooks:
         except OSError as exc:
             warn(f"warning: --on-finding: could not run {self.command!r}: {exc.strerror or exc}")
             return
+        import msgspec
+
         try:
             assert proc.stdin is not None
             proc.stdin.write(msgspec.json.encode(finding))

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from otel_train.analysis.whatif import SYNC_PHASES, whatif as whatif_run
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
 from otel_train.cli._common import cli_errors, fail, fmt_ms, load, print_json, warn
+
+if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
+    from rich.console import Console
+
+SYNC_PHASES = ("backward",)
+"""otel_train.analysis.whatif.SYNC_PHASES, the --sync default, without importing the analysis at start-up
+(tests/test_cli_imports.py checks that the two agree)."""
 
 SHOWN = 10
 MIN_PCT = 1.0
@@ -33,6 +37,8 @@ def whatif(
     """How much faster each step would be with each rank, and each phase, made typical (replayed
     through the synchronisation the spans show: every rank waits for the slowest at each collective)."""
     with cli_errors():
+        from otel_train.analysis.whatif import whatif as whatif_run
+
         run = load(path)
         run.align = not no_align
         result = whatif_run(run, sync=[s.strip() for s in sync.split(",") if s.strip()])
@@ -75,6 +81,8 @@ def _pct(row: dict[str, Any]) -> str:
 
 
 def _render(result: dict[str, Any], out: Console) -> None:
+    from rich.table import Table
+
     if not result["steps"]:
         out.print(f"What-if: no steps to replay: it needs two or more ranks that share steps with the collective "
                   f"phase {', '.join(result['sync'])} (--sync names others).")
