@@ -39,12 +39,13 @@ def summarize(
     with cli_errors():
         if fr is not None and not fr.exists():
             warn(f"warning: --fr {fr}: no such file or directory; summarizing without Flight Recorder dumps")
-        from otel_train.analysis.fast import summarize_fast
-        from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
-
         if fast:
+            from otel_train.analysis.fast import summarize_fast
+
             summary = summarize_fast(path, warn=warn, fr=fr, align=not no_align)
         else:
+            from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
+
             run = load(path)
             run.align = not no_align
             summary = summarize_run(with_dumps(run, fr if fr is not None else default_fr(path, run), warn))

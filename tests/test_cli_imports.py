@@ -1,0 +1,116 @@
+"""Start-up: each ``otel-train`` command imports only what it uses (issue 20, item 4).
+
+A structural check, not a timing: a fresh interpreter runs the command and reports which modules it
+imported. ``import otel_train.cli`` and ``--help`` load no analysis module, no numpy, no msgspec;
+``summarize --json`` loads no rich and none of the other commands' analysis; each command's own
+``--help`` loads no numpy. Import times are measured in benchmarks/analysis_throughput.py and written
+in docs/benchmarks.md ("Start-up").
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from analysis_fixtures import Proc, write_run
+
+PROBE = """
+import json, sys
+argv = sys.argv[1:]
+code = 0
+try:
+    import otel_train.cli
+    if argv:
+        sys.argv = ["otel-train", *argv]
+        otel_train.cli.main()
+except SystemExit as exc:
+    code = exc.code
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}), file=sys.stderr)
+"""
+
+HEAVY = ("numpy", "msgspec", "pydantic", "opentelemetry", "torch", "matplotlib", "duckdb", "google.protobuf")
+"""Modules no command needs before it reads a run."""
+
+
+def _imported(*argv: str) -> tuple[object, set[str], str]:
+    """(exit code, every module imported, stdout) of ``otel-train *argv`` in a fresh interpreter."""
+    proc = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    report = json.loads(last)
+    return report["code"], set(report["modules"]), proc.stdout
+
+
+def _loaded(modules: set[str], *roots: str) -> list[str]:
+    """The modules among ``modules`` that are one of ``roots`` or inside one."""
+    return sorted(m for m in modules if any(m == r or m.startswith(r + ".") for r in roots))
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run = tmp_path_factory.mktemp("imports") / "run"
+    procs = [Proc(rank=r, world_size=2) for r in range(2)]
+    for p in procs:
+        p.steps(range(5))
+        p.shutdown()
+    write_run(run, procs)
+    return run
+
+
+def test_importing_the_cli_loads_no_analysis_numpy_msgspec_or_rich() -> None:
+    code, modules, _ = _imported()
+    assert code == 0
+    assert "otel_train.cli.summarize" in modules and "otel_train.cli.diff" in modules  # the commands registered
+    assert _loaded(modules, "otel_train.analysis", "otel_train.runtime", "rich", *HEAVY) == []
+
+
+def test_help_loads_no_analysis_numpy_or_msgspec() -> None:
+    code, modules, out = _imported("--help")
+    assert code == 0
+    for command in ("summarize", "stats", "export", "whatif", "diff", "watch", "push"):
+        assert command in out
+    assert _loaded(modules, "otel_train.analysis", "otel_train.runtime", *HEAVY) == []
+
+
+@pytest.mark.parametrize("command", ["summarize", "stats", "export", "whatif", "diff", "watch", "push"])
+def test_a_commands_help_loads_no_analysis(command: str) -> None:
+    code, modules, out = _imported(command, "--help")
+    assert code == 0 and "--" in out
+    # typer 0.2x coerces a command's parameters through pydantic: its cost, not one of ours
+    assert _loaded(modules, "otel_train.analysis", *(m for m in HEAVY if m != "pydantic")) == []
+
+
+def test_summarize_json_loads_only_what_it_uses(small_run: Path) -> None:
+    code, modules, out = _imported("summarize", str(small_run), "--json")
+    assert code == 0
+    assert {p["rank"] for p in json.loads(out)["processes"]} == {0, 1}
+    assert "otel_train.analysis.summary" in modules  # it did read the run
+    unused = ("otel_train.analysis.export", "otel_train.analysis.diff", "otel_train.analysis.live",
+              "otel_train.analysis.push", "otel_train.analysis.otlp", "otel_train.analysis.otlp_send",
+              "otel_train.analysis.plot", "otel_train.analysis.fast", "otel_train.runtime")
+    assert _loaded(modules, "rich", *unused, "opentelemetry", "torch", "matplotlib", "duckdb") == []
+
+
+def test_stats_json_loads_no_findings_or_export(small_run: Path) -> None:
+    code, modules, out = _imported("stats", str(small_run), "--json")
+    assert code == 0 and json.loads(out)["phases"]
+    assert _loaded(modules, "rich", "otel_train.analysis.export", "otel_train.analysis.diff",
+                   "otel_train.analysis.live", "otel_train.analysis.push", "opentelemetry") == []
+
+
+def test_the_clis_copies_of_analysis_defaults_agree() -> None:
+    """The CLI keeps a few option defaults as literals so that registering the commands imports no
+    analysis; they must stay what the analysis uses."""
+    from otel_train.analysis.diff import Thresholds
+    from otel_train.analysis.findings import FINDING_KINDS
+    from otel_train.analysis.whatif import SYNC_PHASES
+    from otel_train.cli import diff, watch, whatif
+
+    assert whatif.SYNC_PHASES == SYNC_PHASES
+    assert watch.FINDING_KINDS == FINDING_KINDS
+    default = Thresholds()
+    assert (diff.DEFAULT_MAX_P, diff.DEFAULT_MIN_PCT, diff.DEFAULT_MIN_MS) == (
+        default.max_p, default.min_pct, default.min_ms)
