@@ -236,7 +236,7 @@ def _died_outside(d: ProcessState, stopped: list[ProcessState]) -> dict[str, Any
     step, phase = _where(d)
     return _finding(
         CRASH, d, step, phase,
-        f"rank {d.rank} (attempt {d.attempt}) ended without shutdown after step {step}"
+        f"rank {d.rank} (attempt {d.attempt}) ended without shutdown after step {d.step_text(step)}"
         f" (last record: {d.last_event}); it died outside any span",
         victims=[p.rank for p in stopped],
     )
@@ -254,9 +254,9 @@ def _stopped_inside(d: ProcessState, crashed: bool, ahead: list[ProcessState], o
     elif others:
         waiting = f"; peers {_ranks(others)} did not stop inside a span"
     if crashed:
-        message = f"rank {d.rank} (attempt {d.attempt}) died without shutdown inside {chain} at step {step}{waiting}"
+        message = f"rank {d.rank} (attempt {d.attempt}) died without shutdown inside {chain} at step {d.step_text(step)}{waiting}"
     else:
-        message = f"rank {d.rank} (attempt {d.attempt}) stopped inside {chain} at step {step}{waiting}"
+        message = f"rank {d.rank} (attempt {d.attempt}) stopped inside {chain} at step {d.step_text(step)}{waiting}"
     stacks = stall_stacks(d)
     return _finding(CRASH if crashed else HANG, d, step, phase, message, victims=[p.rank for p in ahead],
                     **({"stacks": stacks} if stacks else {}))
@@ -287,7 +287,7 @@ def _all_stopped(stopped: list[ProcessState]) -> dict[str, Any]:
     )
     return _finding(
         HANG, None, step, phase,
-        f"all {len(stopped)} ranks of attempt {first.attempt} stopped in {phase} at step {step}{hint}",
+        f"all {len(stopped)} ranks of attempt {first.attempt} stopped in {phase} at step {first.step_text(step)}{hint}",
         attempt=first.attempt,
         ranks=sorted(present),
     )
@@ -351,11 +351,11 @@ def _error_findings(group: list[ProcessState], culprits: list[ProcessState], exp
             by_key.setdefault((e.name, e.error_type), []).append(e)
         for (name, etype), errs in by_key.items():
             e = errs[0]
-            times = f" ({len(errs)} times, first at step {e.step})" if len(errs) > 1 else ""
+            times = f" ({len(errs)} times, first at step {d.step_text(e.step)})" if len(errs) > 1 else ""
             out.append(
                 _finding(
                     ERROR, d, e.step, name,
-                    f"rank {d.rank} (attempt {d.attempt}): {name} raised {etype}: {e.message} at step {e.step}{times}",
+                    f"rank {d.rank} (attempt {d.attempt}): {name} raised {etype}: {e.message} at step {d.step_text(e.step)}{times}",
                     count=len(errs),
                 )
             )
@@ -483,7 +483,7 @@ def _stragglers_in(group: Sequence[ProcessState], table: PeerTable, net: np.ndar
                 STRAGGLER, d, worst_step, table.phase,
                 f"rank {d.rank} (attempt {d.attempt}) is slower than its peers in {table.phase} in {slower}/{col.size} "
                 f"steps (sign test p={p:.1g}): +{extra:.1f} ms per step at the median, {score:.2f}x the peer "
-                f"median (worst at step {worst_step}, +{float(col[worst]):.1f} ms)",
+                f"median (worst at step {d.step_text(worst_step)}, +{float(col[worst]):.1f} ms)",
                 score=score, p_value=p, excess_ms=extra, slow_steps=slower, steps=int(col.size),
             )
         )
@@ -678,10 +678,10 @@ def _culprit_state(c: int, d: ProcessState | None, crashed: bool) -> str:
     step, _ = _where(d)
     chain = " > ".join(u.name for u in d.unclosed)
     if chain:
-        return f"; rank {c} {'died' if crashed else 'is stopped'} inside {chain} at step {step}"
+        return f"; rank {c} {'died' if crashed else 'is stopped'} inside {chain} at step {d.step_text(step)}"
     if d.ended_cleanly:
-        return f"; rank {c} shut down after step {step}"
-    return f"; rank {c} {'died' if crashed else 'stopped'} outside any span after step {step} (last record: {d.last_event})"
+        return f"; rank {c} shut down after step {d.step_text(step)}"
+    return f"; rank {c} {'died' if crashed else 'stopped'} outside any span after step {d.step_text(step)} (last record: {d.last_event})"
 
 
 def _all_waiting(attempt: int, waits: dict[int, list[CommOp]], graph: CommGraph) -> dict[str, Any]:

@@ -253,6 +253,7 @@ class ProcessState:
         "phases", "parents", "errors", "incomplete", "stalls", "opened",
         "spans", "instants", "scalars", "_sinks",
         "comm", "comm_groups", "mesh", "_comm_sinks", "_comm_phase",
+        "epochs", "_epoch", "_shift", "_top", "_offsets",
     )
 
     def __init__(self, source: str, rank: int, attempt: int, instance: str = "", *, keep: bool = False) -> None:
@@ -291,6 +292,14 @@ class ProcessState:
         self.mesh: dict[str, tuple[int, int]] = {}  # otel_train.mesh: dim -> (size, index)
         self._comm_sinks: dict[str, tuple[Callable[[Any], None], ...]] = {}  # comm.* names: not in _sinks
         self._comm_phase: str | None = None  # the last phase before the latest comm op
+        # Step numbering across epochs (docs/analysis.md, "The span model"): each epoch's offset, the
+        # current epoch and its offset, the highest (global) step seen; ``epochs``: (first global step,
+        # epoch, offset) of every epoch in the order seen.
+        self.epochs: list[tuple[int, int, int]] = []
+        self._epoch: int | None = None
+        self._shift = 0
+        self._top = -1
+        self._offsets: dict[int, int] = {}
 
     @classmethod
     def of(cls, pf: ProcessFiles, attempt: int, *, keep: bool = False, meta: Head | None = None) -> ProcessState:
@@ -318,8 +327,14 @@ class ProcessState:
         last_closed = self.last_closed
         if self.first_ts is None:
             self.first_ts = items[0].ts
+        epoch, shift = self._epoch, self._shift
         # The hot loop: locals only, a span closing with status ok inline, everything else in methods.
         for rec in items:
+            if rec.epoch != epoch:  # a new epoch (or a late record of an old one): its step numbering
+                self._renumber(rec, items)
+                epoch, shift = self._epoch, self._shift
+            elif shift and rec.step is not None:
+                rec.step += shift
             cls = type(rec)
             if cls is SpanEnd:
                 started = pop(rec.span_id, None)
@@ -363,6 +378,32 @@ class ProcessState:
         if self.last_ts is None or top > self.last_ts:
             self.last_ts = top
         self._track_steps(items)
+        if self.final_step is not None and self.final_step > self._top:
+            self._top = self.final_step
+
+    def _renumber(self, rec: AnyRecord, batch: list[AnyRecord]) -> None:
+        """A record whose epoch is not the current one: number its step (docs/analysis.md, "The span model").
+
+        The first step of a new epoch that does not go past the highest step seen so far means steps
+        repeat every epoch: that epoch's steps are shifted past it (its offset is the highest global
+        step + 1); otherwise they stay as written. A late record of an older epoch (the comm
+        recorder's thread) takes that epoch's offset; a record without an epoch or a step is left."""
+        epoch, step = rec.epoch, rec.step
+        if epoch is None or step is None:
+            return
+        offset = self._offsets.get(epoch)
+        if offset is None:  # a new epoch: the highest step so far includes this batch's earlier records
+            for earlier in batch:
+                if earlier is rec:
+                    break
+                if earlier.step is not None and earlier.step > self._top:
+                    self._top = earlier.step
+            offset = self._offsets[epoch] = self._top + 1 if step <= self._top else 0
+            self.epochs.append((step + offset, epoch, offset))
+            self._epoch, self._shift = epoch, offset
+        rec.step = step = step + offset
+        if step > self._top:
+            self._top = step
 
     def _track_steps(self, items: list[AnyRecord]) -> None:
         # The step context, taken from each batch's first and last records rather than per record.
@@ -373,8 +414,8 @@ class ProcessState:
         for r in reversed(items):
             if r.step is not None and not r.name.startswith(schema.COMM_PREFIX):
                 self.final_step = r.step
-                if r.relative_step is not None:
-                    self.relative_step = r.relative_step
+                if r.relative_step is not None:  # the step is numbered across epochs: so is this
+                    self.relative_step = r.relative_step + (self._offsets.get(r.epoch, 0) if r.epoch is not None else 0)
                 break
 
     def _sink(self, name: str, rec: SpanEnd | None = None, started: SpanStart | None = None,
@@ -473,6 +514,26 @@ class ProcessState:
             self.instants.append(rec)
 
     # -- reading the state ----------------------------------------------------------------------
+
+    @property
+    def renumbered(self) -> bool:
+        """Whether this process's steps repeated across epochs and were numbered globally."""
+        return any(offset for _, _, offset in self.epochs)
+
+    def epoch_step(self, step: int | None) -> tuple[int, int] | None:
+        """(epoch, step as the process wrote it) of a global step, when steps were renumbered; else None."""
+        if step is None or step < 0 or not self.renumbered:
+            return None
+        best = None
+        for first, epoch, offset in self.epochs:
+            if first <= step and (best is None or first >= best[0]):
+                best = (first, epoch, offset)
+        return None if best is None else (best[1], step - best[2])
+
+    def step_text(self, step: int | None) -> str:
+        """A step as messages print it: ``17``, or ``17 (epoch 1, step 2)`` when steps were renumbered."""
+        original = self.epoch_step(step)
+        return str(step) if original is None else f"{step} (epoch {original[0]}, step {original[1]})"
 
     @property
     def unclosed(self) -> list[OpenSpan]:

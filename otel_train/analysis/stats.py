@@ -166,17 +166,19 @@ def _step_rows(run: Run) -> list[dict[str, Any]]:
             covered += np.nan_to_num(np.asarray(col))
         idle = np.maximum(totals - covered, 0.0).tolist()
         for i, (step, total) in enumerate(zip(steps.tolist(), totals.tolist())):
-            rows.append(
-                {
-                    "rank": d.rank,
-                    "attempt": d.attempt,
-                    "source": d.source,
-                    "step": step,
-                    "step_ms": total,
-                    "phases": {name: col[i] for name, col in cols if col[i] == col[i]},
-                    "idle_ms": idle[i],
-                }
-            )
+            row = {
+                "rank": d.rank,
+                "attempt": d.attempt,
+                "source": d.source,
+                "step": step,
+                "step_ms": total,
+                "phases": {name: col[i] for name, col in cols if col[i] == col[i]},
+                "idle_ms": idle[i],
+            }
+            original = d.epoch_step(step)  # steps repeated every epoch: the global step's (epoch, step)
+            if original is not None:
+                row["epoch"], row["epoch_step"] = original
+            rows.append(row)
     return rows
 
 

@@ -90,7 +90,8 @@ def _render(result: dict[str, Any], out: Console) -> None:
             slow.add_column(col, justify="left" if col == "phases" else "right")
         for r in sorted(steps, key=lambda r: -r["step_ms"])[:SLOWEST_STEPS_SHOWN]:
             parts = " ".join(f"{k}={fmt_ms(v)}" for k, v in r["phases"].items())
-            slow.add_row(str(r["step"]), str(r["rank"]), str(r["attempt"]), fmt_ms(r["step_ms"]), fmt_ms(r["idle_ms"]), parts)
+            label = str(r["step"]) if "epoch" not in r else f'{r["step"]} (epoch {r["epoch"]}, step {r["epoch_step"]})'
+            slow.add_row(label, str(r["rank"]), str(r["attempt"]), fmt_ms(r["step_ms"]), fmt_ms(r["idle_ms"]), parts)
         out.print(slow)
 
     scores = result["straggler_scores"]
