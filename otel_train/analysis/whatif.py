@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from otel_train import schema
+from otel_train.analysis import graph
 from otel_train.analysis.clock import Clock
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run
 from otel_train.analysis.stats import columns, peer_medians
@@ -179,6 +181,7 @@ class Scenarios:
     by_rank: dict[int, np.ndarray] = field(default_factory=dict)
     by_phase: dict[str, np.ndarray] = field(default_factory=dict)
     by_rank_phase: dict[tuple[int, str], np.ndarray] = field(default_factory=dict)
+    steps: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
 def _typical(work: np.ndarray) -> np.ndarray:
@@ -196,7 +199,7 @@ def scenarios(table: SyncTable) -> Scenarios:
     Intervals that span a missing collective (a step without one on some rank) are left out.
     """
     rows = np.flatnonzero(np.diff(table.keys) == 1) + 1
-    _, step_of = np.unique(table.keys[rows] // len(table.sync), return_inverse=True)
+    steps, step_of = np.unique(table.keys[rows] // len(table.sync), return_inverse=True)
 
     def per_step(values: np.ndarray) -> np.ndarray:
         return np.bincount(step_of, weights=values)
@@ -209,7 +212,8 @@ def scenarios(table: SyncTable) -> Scenarios:
     top = np.sort(totals, axis=1)
     first, second = top[:, -1:], top[:, -2:-1]
     others = np.where(totals >= first, second, first)
-    out = Scenarios(per_step(table.measured[rows]), per_step(totals.max(axis=1)), per_step(typical.sum(axis=1)))
+    out = Scenarios(per_step(table.measured[rows]), per_step(totals.max(axis=1)), per_step(typical.sum(axis=1)),
+                    steps=steps)
     rank_phase = np.maximum(totals[:, :, None] - work + peers, others[:, :, None])
     for j, rank in enumerate(table.ranks):
         out.by_rank[rank] = per_step(np.maximum(peers[:, j].sum(axis=1), others[:, j]))
@@ -231,14 +235,36 @@ def step_cost(actual: float, typical: float) -> dict[str, float]:
 # The whatif answer
 
 
-def whatif(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None) -> dict[str, Any]:
-    """The ``whatif --json`` object: step_ms {actual, ideal, measured}, slowdown, by_rank, by_phase,
-    by_rank_phase (costliest first), steps, sync; over every group with at least two ranks."""
+METHODS = ("peers", "typical")
+
+
+def whatif(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None,
+           method: str | None = None) -> dict[str, Any]:
+    """The ``whatif --json`` object (docs/analysis.md "What-if"; the contract's keys for both methods):
+    ``method`` None is ``typical`` for a run with an ``otel_train.mesh``, else ``peers``. ValueError
+    for another method."""
+    method = method or ("typical" if has_mesh(run) else "peers")
+    if method == "typical":
+        return typical(run, sync, window)
+    if method != "peers":
+        raise ValueError(f"whatif method {method!r}: use one of {', '.join(METHODS)}")
+    return peers(run, sync, window)
+
+
+def _empty(sync: Sequence[str]) -> dict[str, Any]:
+    return {"method": "peers", "step_ms": {"actual": None, "ideal": None, "measured": None}, "slowdown": None,
+            "by_rank": [], "by_phase": [], "by_rank_phase": [], "by_dim": {},
+            "shares": {"worker": None, "last_stage": None}, "per_step": {}, "steps": 0, "sync": list(sync)}
+
+
+def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None) -> dict[str, Any]:
+    """The ``peers`` answer: step_ms {actual, ideal, measured}, slowdown, by_rank, by_phase,
+    by_rank_phase (costliest first), per_step, steps, sync; over every group with at least two ranks
+    (the data-parallel closed form of the graph: see the module doc)."""
     clock = _clock(run)
     parts = [s for s in (_group_scenarios(g, sync, window, clock) for g in run.groups()) if s is not None]
     if not parts:
-        return {"step_ms": {"actual": None, "ideal": None, "measured": None}, "slowdown": None,
-                "by_rank": [], "by_phase": [], "by_rank_phase": [], "steps": 0, "sync": list(sync)}
+        return _empty(sync)
     actual = np.concatenate([s.actual for _, s in parts])
     mean = float(actual.mean())
 
@@ -255,12 +281,16 @@ def whatif(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = 
     ideal = float(np.concatenate([s.ideal for _, s in parts]).mean())
     syncs = {name for t, _ in parts for name in t.sync}
     return {
+        "method": "peers",
         "step_ms": {"actual": mean, "ideal": ideal,
                     "measured": float(np.concatenate([s.measured for _, s in parts]).mean())},
         "slowdown": mean / ideal if ideal > 0 else None,
         "by_rank": [{"rank": r, **c} for r, c in combined("by_rank", ranks)],
         "by_phase": [{"phase": p, "collective": p in syncs, **c} for p, c in combined("by_phase", phases)],
         "by_rank_phase": [{"rank": r, "phase": p, **c} for (r, p), c in combined("by_rank_phase", pairs)[:TOP_PAIRS]],
+        "by_dim": {}, "shares": {"worker": None, "last_stage": None},
+        "per_step": {str(int(k)): float(a / i) if i > 0 else None
+                     for _, s in parts for k, a, i in zip(s.steps, s.actual, s.ideal)},
         "steps": int(actual.size),
         "sync": sorted(syncs, key=lambda n: list(sync).index(n) if n in sync else len(sync)),
     }
@@ -279,3 +309,149 @@ def _group_scenarios(group: list[ProcessState], sync: Sequence[str], window: Win
                      clock: Clock | None = None) -> tuple[SyncTable, Scenarios] | None:
     table = sync_table(group, sync, window, clock)
     return None if table is None else (table, scenarios(table))
+
+
+# ---------------------------------------------------------------------------------------------
+# typical: the OSDI '25 method over the dependency graph (otel_train/analysis/graph.py)
+
+WORKER_SHARE = 0.03
+"""``shares.worker``: the share of ranks (at least one) with the highest slowdown of their coordinates."""
+MAX_PAIRS = 256
+"""``typical`` without a mesh replays each (rank, phase) pair only up to this many pairs."""
+
+
+def has_mesh(run: Run) -> bool:
+    """Whether any process declared an ``otel_train.mesh`` (then ``typical`` is the default)."""
+    return any(d.mesh for d in run.processes)
+
+
+def _coords(g: graph.Graph) -> dict[str, np.ndarray]:
+    """Per mesh dim, each rank index's coordinate (-1 where its process declared none)."""
+    dims = sorted({dim for m in g.mesh.values() for dim in m})
+    return {dim: np.array([g.mesh.get(i, {}).get(dim, (0, -1))[1] for i in range(len(g.ranks))]) for dim in dims}
+
+
+def _scenarios(g: graph.Graph, pairs: bool) -> dict[Any, np.ndarray]:
+    """Scenario -> the owners kept as measured: actual (all), ideal (none), each rank, phase, mesh
+    index and (dp, pp) cell alone, and every rank but the last pipeline stage's."""
+    P, R = len(g.phases), len(g.ranks)
+    rank, phase = np.arange(R * P) // P, np.arange(R * P) % P
+    out: dict[Any, np.ndarray] = {("actual",): np.ones(R * P, bool), ("ideal",): np.zeros(R * P, bool)}
+    out.update({("rank", g.ranks[i]): rank == i for i in range(R)})
+    out.update({("phase", name): phase == c for c, name in enumerate(g.phases)})
+    coords = _coords(g)
+    for dim, at in coords.items():
+        out.update({("dim", dim, int(i)): at[rank] == i for i in np.unique(at[at >= 0])})
+    if "pp" in coords and (coords["pp"] >= 0).any():
+        out[("last_stage",)] = coords["pp"][rank] != coords["pp"].max()
+    if "dp" in coords and "pp" in coords:
+        cells = {(int(a), int(b)) for a, b in zip(coords["dp"], coords["pp"]) if a >= 0 and b >= 0}
+        out.update({("cell", a, b): (coords["dp"][rank] == a) & (coords["pp"][rank] == b) for a, b in cells})
+    if pairs and R * P <= MAX_PAIRS:
+        out.update({("pair", g.ranks[i], name): (rank == i) & (phase == c)
+                    for i in range(R) for c, name in enumerate(g.phases)})
+    return out
+
+
+def _replay(g: graph.Graph, scenarios: dict[Any, np.ndarray]) -> dict[Any, np.ndarray]:
+    """Scenario -> its step times (ms), each distinct mask simulated once."""
+    keys = list(scenarios)
+    rows, index = [], {}
+    where = []
+    for k in keys:
+        b = scenarios[k].tobytes()
+        if b not in index:
+            index[b] = len(rows)
+            rows.append(scenarios[k])
+        where.append(index[b])
+    masks = np.ones((len(rows), g.fixed + 1), bool)
+    masks[:, :-1] = np.array(rows)
+    times = graph.step_times(graph.simulate(g, masks))
+    return {k: times[w] for k, w in zip(keys, where)}
+
+
+@dataclass(slots=True)
+class Replayed:
+    """Every graph's step times per scenario, concatenated; the steps and the measured times."""
+
+    times: dict[Any, np.ndarray]
+    steps: np.ndarray
+    measured: np.ndarray
+
+    def mean(self, key: Any) -> float:
+        got = self.times.get(key)
+        return float(got.mean()) if got is not None and got.size else float("nan")
+
+
+def _combine(parts: list[tuple[graph.Graph, dict[Any, np.ndarray]]]) -> Replayed:
+    keys = dict.fromkeys(k for _, t in parts for k in t)
+    times = {k: np.concatenate([t.get(k, t[("actual",)]) for _, t in parts]) for k in keys}
+    return Replayed(times, np.concatenate([g.steps[1:] for g, _ in parts]),
+                    np.concatenate([np.diff(g.measured) for g, _ in parts]))
+
+
+def _workers(gs: list[graph.Graph], rep: Replayed, ideal: float) -> set[int]:
+    """The ``WORKER_SHARE`` of ranks with the highest min(by_dim.dp, by_dim.pp) of their coordinates
+    (their by_rank slowdown without those dims)."""
+    score: dict[int, float] = {}
+    for g in gs:
+        coords = {d: c for d, c in _coords(g).items() if d in ("dp", "pp")}
+        for i, r in enumerate(g.ranks):
+            dims = [rep.mean(("dim", d, int(c[i]))) for d, c in coords.items() if c[i] >= 0]
+            score[r] = max(score.get(r, -np.inf), min(dims) if dims else rep.mean(("rank", r)))
+    n = max(1, int(np.ceil(WORKER_SHARE * len(score))))
+    return set(sorted(score, key=lambda r: (-score[r], r))[:n])
+
+
+def _share(actual: float, ideal: float, without: float) -> float | None:
+    """(actual - step with it made ideal) / (actual - ideal); None without a slowdown to share."""
+    gap = actual - ideal
+    return None if not np.isfinite(without) or gap <= 1e-9 * max(actual, 1.0) else (actual - without) / gap
+
+
+def _rows(rep: Replayed, kind: str, label: str, ideal: float) -> list[dict[str, Any]]:
+    rows = []
+    for key in rep.times:
+        if key[0] == kind:
+            m = rep.mean(key)
+            rows.append({label: key[1], "slowdown": m / ideal if ideal > 0 else None, "cost_ms": m - ideal})
+    return sorted(rows, key=lambda r: -r["cost_ms"])
+
+
+def typical(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None) -> dict[str, Any]:
+    """The ``typical`` answer (docs/analysis.md "What-if"): every op at its typical duration is the
+    ideal; ``by_*`` = step time with only that as measured / ideal; shares; per_step."""
+    clock = _clock(run)
+    gs = [g for g in (graph.build(grp, clock, window, sync) for grp in run.groups()) if g is not None and g.steps.size >= 2]
+    if not gs:
+        return {**_empty(sync), "method": "typical"}
+    pairs = not has_mesh(run)
+    rep = _combine([(g, _replay(g, _scenarios(g, pairs))) for g in gs])
+    actual, ideal = rep.mean(("actual",)), rep.mean(("ideal",))
+    chosen = _workers(gs, rep, ideal)
+    without = float(np.concatenate([_replay(g, {("w",): ~np.isin(np.arange(len(g.ranks) * len(g.phases)) // len(g.phases),
+                                                                   [i for i, r in enumerate(g.ranks) if r in chosen])})[("w",)]
+                                    for g in gs]).mean())
+    dims = sorted({k[1] for k in rep.times if k[0] == "dim"})
+    out = {
+        "method": "typical",
+        "step_ms": {"actual": actual, "ideal": ideal, "measured": float(rep.measured.mean())},
+        "slowdown": actual / ideal if ideal > 0 else None,
+        "by_rank": _rows(rep, "rank", "rank", ideal),
+        "by_phase": [{**r, "collective": any(r["phase"] in g.collective for g in gs)}
+                     for r in _rows(rep, "phase", "phase", ideal)],
+        "by_dim": {d: sorted(({"index": k[2], "slowdown": rep.mean(k) / ideal, "cost_ms": rep.mean(k) - ideal}
+                              for k in rep.times if k[0] == "dim" and k[1] == d), key=lambda r: r["index"])
+                   for d in dims},
+        "shares": {"worker": _share(actual, ideal, without),
+                   "last_stage": _share(actual, ideal, rep.mean(("last_stage",))) if ("last_stage",) in rep.times else None},
+        "workers": sorted(chosen),
+        "per_step": {str(int(s)): float(a / i) if i > 0 else None
+                     for s, a, i in zip(rep.steps, rep.times[("actual",)], rep.times[("ideal",)])},
+        "by_cell": [{"dp": k[1], "pp": k[2], "slowdown": rep.mean(k) / ideal} for k in rep.times if k[0] == "cell"],
+        "by_rank_phase": [{"rank": k[1], "phase": k[2], "slowdown": rep.mean(k) / ideal, "cost_ms": rep.mean(k) - ideal}
+                          for k in sorted((k for k in rep.times if k[0] == "pair"), key=lambda k: -rep.mean(k))],
+        "steps": int(rep.steps.size),
+        "sync": list(sync),
+    }
+    return out

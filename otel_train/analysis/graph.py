@@ -1,0 +1,663 @@
+"""The dependency graph of a run, read from its records, and its simulation (docs/analysis.md "What-if").
+
+**Ops.** On each rank the graph's ops are the non-overlapping cover of its spans: the *leaves* (spans
+of a name no other non-``comm.*`` name has as its parent) cut by the rank's ``comm.*`` ops. Comm ops
+that overlap in time on one rank stay concurrent: they form one *cluster* (an async bucket
+all-reduce and the next one). A leaf cut by a cluster becomes *pieces* (``backward`` before and
+after the all-reduce it holds), piece ``k`` of a leaf keyed ``(name, k)``; leaves that overlap
+each other (another thread's spans) are serialised, the later one starting when the earlier ends.
+Time no leaf covers is the *lead* of the next item (``(untraced)``), kept with that item.
+
+**Edges.** An item follows the item before it on its rank: a piece ends ``lead + dur`` after it; a
+cluster's ops arrive ``lead + offset`` after it (the offset: when the op started in its cluster) and
+the cluster ends when its last op ends. A collective (matched by group and ``comm.seq``) is a *join*:
+every member ends no earlier than the last member's arrival plus its own *transfer* time (measured:
+its end minus the last arrival, on the aligned clock), nor before its own arrival. A send/recv pair
+(matched by group, sender, receiver and ``comm.seq``) is a join of two; a send that ended before its
+recv arrived (eager) ends ``dur`` after its own arrival instead; an op whose other side is missing,
+or whose members sit in different steps, ends ``dur`` after its arrival.
+
+**Blocks.** A step is a block: the ops tagged with it (its leaves' and comm ops' ``step``; a rank's
+items never move back to an earlier step). Block ``b``'s time ``T[b]`` is the latest end of a rank's
+last item in it; a step lasts ``T[b] - T[b-1]`` (the first block of the window only anchors). Each
+rank's first item starts at its measured time; every later one is computed.
+
+**Simulation** (:func:`simulate`): every edge weight is a sum of two terms, each owned by one
+(rank, phase) and taken as measured or typical per scenario (a boolean mask over owners; the last
+owner column is *fixed*: always measured). Nodes are visited level by level within a block (a level:
+nodes whose inputs are all in earlier levels), all scenarios at once as numpy rows. With every
+owner measured the simulation reproduces the measured times exactly (each edge is tight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from otel_train import schema
+from otel_train.analysis.clock import Clock
+from otel_train.analysis.spans import NO_STEP, ProcessState
+from otel_train.analysis.stats import columns
+
+UNTRACED = "(untraced)"
+"""The phase owning each item's lead: time on a rank that no leaf and no comm op covers."""
+
+Window = tuple[int, int]
+
+# Node kinds
+PIECE, ARRIVE, JOIN, END, EXIT = range(5)
+
+
+@dataclass(slots=True)
+class RankOps:
+    """One rank's leaves and comm ops, ms on the aligned clock (ops outside the window left out)."""
+
+    l_start: np.ndarray
+    l_end: np.ndarray
+    l_step: np.ndarray
+    l_name: np.ndarray  # index into the graph's phases
+    c_start: np.ndarray
+    c_end: np.ndarray
+    c_step: np.ndarray
+    c_name: np.ndarray  # index into phases (comm.<op>, or the sync phase)
+    c_key: np.ndarray  # int64 match key (group and seq, or the pair and seq); -1: unmatched
+    c_send: np.ndarray  # bool: a send (may end before its recv arrives)
+    c_tkey: np.ndarray  # index of (name, group desc, bytes): the typical transfer's key
+
+
+@dataclass(slots=True)
+class Graph:
+    """Nodes and weighted edges of one group of ranks, in step blocks (see the module doc).
+
+    ``own[e, t]`` is the owner column of term ``t`` of edge ``e`` (``rank index * len(phases) +
+    phase``; ``fixed`` = always measured), ``wm``/``wi`` its measured and typical ms. Edges of block
+    ``b`` are ``edges[b]:edges[b+1]``, its nodes ``nodes[b]:nodes[b+1]``; an edge's ``src < 0`` is
+    rank ``-1 - src``'s boundary (its last end in an earlier block). ``exits[b, r]``: rank r's last
+    node in block b (-1: none). ``measured[b]``: T[b] as recorded.
+    """
+
+    ranks: list[int]
+    phases: list[str]
+    steps: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    own: np.ndarray
+    wm: np.ndarray
+    wi: np.ndarray
+    nodes: np.ndarray
+    edges: np.ndarray
+    exits: np.ndarray
+    first: np.ndarray
+    measured: np.ndarray
+    mesh: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    collective: set[str] = field(default_factory=set)  # the phases of comm ops (or sync spans)
+    plans: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def fixed(self) -> int:
+        """The owner column that is measured in every scenario."""
+        return len(self.ranks) * len(self.phases)
+
+    def owner(self, rank_index: np.ndarray | int, phase: np.ndarray | int) -> np.ndarray | int:
+        return rank_index * len(self.phases) + phase
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading ops from a process
+
+
+class Names:
+    """Phase names and typical-transfer keys, numbered as first seen."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, int] = {UNTRACED: 0}
+        self.tkeys: dict[tuple[str, str, int], int] = {}
+        self.groups: dict[str, int] = {}
+
+    def phase(self, name: str) -> int:
+        return self.phases.setdefault(name, len(self.phases))
+
+    def tkey(self, key: tuple[str, str, int]) -> int:
+        return self.tkeys.setdefault(key, len(self.tkeys))
+
+    def group(self, name: str) -> int:
+        return self.groups.setdefault(name, len(self.groups))
+
+
+def leaf_names(d: ProcessState) -> list[str]:
+    """The names of ``d``'s leaf spans: no other non-comm name has them as its parent."""
+    plain = [n for n in d.phases if not n.startswith(schema.COMM_PREFIX)]
+    parents = {d.parents.get(n) for n in plain}
+    return [n for n in plain if n not in parents]
+
+
+def _to_ms(t: np.ndarray, d: ProcessState, clock: Clock | None, shift: float, t0: float) -> np.ndarray:
+    """Unix seconds of ``d``'s host to ms since ``t0`` on the reference clock."""
+    hc = clock.hosts.get(d.host) if clock is not None and d.host is not None and not clock.raw else None
+    if hc is not None:
+        t = (t - hc.offset_s + hc.drift * clock.t0) / (1.0 + hc.drift)  # type: ignore[union-attr]
+    return (t - shift - t0) * 1000.0
+
+
+def _in_window(steps: np.ndarray, window: Window | None) -> np.ndarray:
+    ok = steps != NO_STEP
+    if window is not None:
+        ok &= (steps >= window[0]) & (steps <= window[1])
+    return ok
+
+
+def _leaves(d: ProcessState, names: Names, sync: Sequence[str], window: Window | None
+            ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(start s, end s, step, name) columns of the leaves, and the same of the sync leaves (the last
+    span of a sync name per step) when the process has no comm op (the data-parallel special case)."""
+    plain, synced = [], []
+    use_sync = len(d.comm) == 0
+    for name in leaf_names(d):
+        steps, durs, ends = columns(d, name)
+        ok = _in_window(steps, window)
+        cols = [ends[ok] - durs[ok] / 1000.0, ends[ok].copy(), steps[ok].copy(),
+                np.full(int(ok.sum()), names.phase(name), np.int64)]
+        if use_sync and name in sync and cols[0].size:
+            order = np.lexsort((cols[1], cols[2]))
+            last = np.ones(order.size, bool)
+            last[:-1] = cols[2][order][1:] != cols[2][order][:-1]
+            is_sync = np.zeros(order.size, bool)
+            is_sync[order[last]] = True
+            synced.append([c[is_sync] for c in cols])
+            cols = [c[~is_sync] for c in cols]
+        plain.append(cols)
+    return _cat(plain, 4), _cat(synced, 4)
+
+
+def _cat(parts: list[list[np.ndarray]], n: int) -> list[np.ndarray]:
+    if not parts:
+        return [np.empty(0), np.empty(0), np.empty(0, np.int64), np.empty(0, np.int64)][:n]
+    return [np.concatenate([p[i] for p in parts]) for i in range(n)]
+
+
+def _comm(d: ProcessState, names: Names, descs: dict[str, str], window: Window | None) -> list[np.ndarray]:
+    """(start s, end s, step, name, key, send, tkey) of the process's host-clock comm ops."""
+    log = d.comm
+    n = len(log)
+    if n == 0:
+        return [np.empty(0), np.empty(0)] + [np.empty(0, np.int64)] * 3 + [np.empty(0, bool), np.empty(0, np.int64)]
+    start, end = np.frombuffer(log.start, np.float64), np.frombuffer(log.end, np.float64)
+    seq, peer = np.frombuffer(log.seq, np.int64), np.frombuffer(log.peer, np.int64)
+    nbytes, step = np.frombuffer(log.nbytes, np.int64), np.frombuffer(log.step, np.int64)
+    codes = np.frombuffer(log.codes, np.uint32).reshape(-1, 6)
+    s = log.strings
+    device = s.index(schema.COMM_CLOCK_DEVICE) if schema.COMM_CLOCK_DEVICE in s else -1
+    ok = _in_window(step, window) & ~np.isnan(end) & (codes[:, 4] != device) & (seq >= 0)
+    used_ops = np.unique(codes[ok, 1])
+    op_of = np.zeros(len(s), np.int64)
+    op_of[used_ops] = [names.phase(schema.comm_span_name(s[c] or "")) for c in used_ops.tolist()]
+    gid = np.full(len(s), -1, np.int64)
+    used_groups = np.unique(codes[ok, 0])
+    gid[used_groups] = [names.group(s[c] or "") for c in used_groups.tolist()]
+    p2p_code = np.zeros(len(s), bool)
+    send_code = np.zeros(len(s), bool)
+    for c in used_ops.tolist():
+        p2p_code[c], send_code[c] = s[c] in schema.P2P_OPS, s[c] == "send"
+    p2p = p2p_code[codes[:, 1]] & (peer >= 0)
+    send = p2p & send_code[codes[:, 1]]
+    src = np.where(send, d.rank, peer)
+    dst = np.where(send, peer, d.rank)
+    g = gid[codes[:, 0]]
+    key = np.where(p2p, (((g * 4096 + src) * 4096 + dst) << 24) + seq + (1 << 62), (g << 32) + seq)
+    triple = np.stack([codes[ok, 1].astype(np.int64), codes[ok, 0].astype(np.int64), nbytes[ok]], axis=1)
+    uniq, inv = np.unique(triple, axis=0, return_inverse=True) if triple.size else (triple, np.empty(0, np.int64))
+    tk = np.array([names.tkey((s[o] or "", descs.get(s[gc] or "", ""), int(nb))) for o, gc, nb in uniq.tolist()],
+                  np.int64)
+    tkey = tk[inv.reshape(-1)] if inv.size else np.empty(0, np.int64)
+    return [start[ok], end[ok], step[ok].copy(), op_of[codes[ok, 1]], key[ok], send[ok], tkey]
+
+
+def rank_ops(d: ProcessState, names: Names, descs: dict[str, str], sync: Sequence[str], window: Window | None,
+             clock: Clock | None, shift: float, t0: float) -> RankOps:
+    """Every op of one process, in ms on the reference clock (``shift``: a host's median offset, s)."""
+    (ls, le, lstep, lname), synced = _leaves(d, names, sync, window)
+    cs, ce, cstep, cname, ckey, csend, ctkey = _comm(d, names, descs, window)
+    if synced[0].size:
+        # No comm op: the last span of each sync phase per step is the collective (keyed by its step).
+        cs, ce, cstep, cname = synced
+        ckey = cstep + (1 << 61)
+        csend = np.zeros(cs.size, bool)
+        ctkey = np.array([names.tkey((f"sync:{n}", "", -1)) for n in cname.tolist()], np.int64)
+    ms = [_to_ms(x, d, clock, shift, t0) for x in (ls, le, cs, ce)]
+    return RankOps(ms[0], ms[1], lstep, lname, ms[2], ms[3], cstep, cname, ckey, csend, ctkey)
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank's chain: the cover of its leaves cut by its comm clusters
+
+
+@dataclass(slots=True)
+class Chain:
+    """One rank's items in order (pieces and clusters) and its comm ops sorted by start.
+
+    ``piece`` is the piece index of a piece, -1 for a cluster; ``name`` a piece's leaf name, a
+    cluster's first op's; ``op_item`` the item (cluster) of each sorted comm op; ``order`` sorts the
+    rank's comm columns."""
+
+    start: np.ndarray
+    end: np.ndarray
+    block: np.ndarray
+    name: np.ndarray
+    piece: np.ndarray
+    op_item: np.ndarray
+    order: np.ndarray
+
+
+def _clusters(cs: np.ndarray, ce: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(cluster of each op, cluster starts, cluster ends) of ops sorted by start: ops that overlap in
+    time (an op starting before the ones before it all ended) share a cluster."""
+    if cs.size == 0:
+        return np.empty(0, np.int64), np.empty(0), np.empty(0)
+    reach = np.maximum.accumulate(ce)
+    new = np.ones(cs.size, bool)
+    new[1:] = cs[1:] >= reach[:-1]
+    heads = np.flatnonzero(new)
+    return np.cumsum(new) - 1, cs[heads], np.maximum.reduceat(ce, heads)
+
+
+def _pieces(ls: np.ndarray, le: np.ndarray, cl_s: np.ndarray, cl_e: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(start, end, leaf) of the pieces: sorted, non-overlapping leaves minus the clusters, cut at
+    every cluster boundary."""
+    cuts = np.concatenate([cl_s, cl_e])
+    pts = np.unique(np.concatenate([ls, le, cuts]))
+    if pts.size < 2:
+        return np.empty(0), np.empty(0), np.empty(0, np.int64)
+    a, b = pts[:-1], pts[1:]
+    mid = (a + b) / 2.0
+    j = np.searchsorted(cl_s, mid, side="right") - 1
+    in_cl = (j >= 0) & (mid < cl_e[np.maximum(j, 0)]) if cl_s.size else np.zeros(mid.size, bool)
+    i = np.searchsorted(ls, mid, side="right") - 1
+    leaf = np.where((i >= 0) & (mid < le[np.maximum(i, 0)]) & ~in_cl, i, -1)
+    keep = leaf >= 0
+    a, b, leaf = a[keep], b[keep], leaf[keep]
+    if a.size == 0:
+        return a, b, leaf
+    new = np.ones(a.size, bool)
+    new[1:] = (leaf[1:] != leaf[:-1]) | (a[1:] != b[:-1]) | np.isin(a[1:], cuts)
+    heads = np.flatnonzero(new)
+    tails = np.append(heads[1:], a.size) - 1
+    return a[heads], b[tails], leaf[heads]
+
+
+def chain(ro: RankOps) -> Chain:
+    """The rank's items: pieces and clusters sorted by start (a cluster before a piece starting with it)."""
+    lo = np.argsort(ro.l_start, kind="stable")
+    ls, le = ro.l_start[lo], ro.l_end[lo]
+    if ls.size:  # serialise overlapping leaves: each starts no earlier than the ones before it ended
+        reach = np.maximum.accumulate(le)
+        ls = np.maximum(ls, np.concatenate([[-np.inf], reach[:-1]]))
+        le = np.maximum(le, ls)
+    order = np.argsort(ro.c_start, kind="stable")
+    cs, ce = ro.c_start[order], ro.c_end[order]
+    of, cl_s, cl_e = _clusters(cs, ce)
+    ps, pe, leaf = _pieces(ls, le, cl_s, cl_e)
+    _, first, counts = np.unique(leaf, return_index=True, return_counts=True)
+    piece = np.arange(leaf.size) - np.repeat(first, counts)  # leaf is non-decreasing: pieces in time order
+    cl_step = np.minimum.reduceat(ro.c_step[order], np.flatnonzero(np.diff(of, prepend=-1))) if cs.size else of
+    cl_name = ro.c_name[order][np.flatnonzero(np.diff(of, prepend=-1))] if cs.size else of
+    start = np.concatenate([ps, cl_s])
+    kind = np.concatenate([np.ones(ps.size, np.int64), np.zeros(cl_s.size, np.int64)])
+    items = np.lexsort((kind, start))
+    step = np.concatenate([ro.l_step[lo][leaf], cl_step])[items]
+    block = np.maximum.accumulate(step) if step.size else step
+    where = np.empty(items.size, np.int64)
+    where[items] = np.arange(items.size)
+    return Chain(start[items], np.concatenate([pe, cl_e])[items], block,
+                 np.concatenate([ro.l_name[lo][leaf], cl_name])[items],
+                 np.concatenate([piece, np.full(cl_s.size, -1)])[items], where[ps.size + of], order)
+
+
+# ---------------------------------------------------------------------------------------------
+# The graph of a group
+
+
+SYNC_DEFAULT = ("backward",)
+
+
+def group_mean(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each element's group mean (groups by equal key)."""
+    if keys.size == 0:
+        return values.astype(float)
+    _, inv = np.unique(keys, return_inverse=True)
+    return (np.bincount(inv, weights=values) / np.bincount(inv))[inv]
+
+
+def group_median(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each element's group median (groups by equal key)."""
+    if keys.size == 0:
+        return values.astype(float)
+    _, inv = np.unique(keys, return_inverse=True)
+    order = np.lexsort((values, inv))
+    counts = np.bincount(inv)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    v = values[order]
+    med = (v[first + (counts - 1) // 2] + v[first + counts // 2]) / 2.0
+    return med[inv]
+
+
+@dataclass(slots=True)
+class Flat:
+    """Every rank's items and comm ops, concatenated (item ids are global)."""
+
+    i_rank: np.ndarray
+    i_start: np.ndarray
+    i_end: np.ndarray
+    i_block: np.ndarray
+    i_name: np.ndarray
+    i_piece: np.ndarray
+    i_prev: np.ndarray  # the item before on the rank, -1 for the first
+    o_rank: np.ndarray
+    o_item: np.ndarray
+    o_start: np.ndarray
+    o_end: np.ndarray
+    o_name: np.ndarray
+    o_key: np.ndarray
+    o_send: np.ndarray
+    o_tkey: np.ndarray
+
+
+def flatten(ros: list[RankOps], chains: list[Chain]) -> Flat:
+    """Concatenate the ranks' chains into global item and op columns."""
+    parts: dict[str, list[np.ndarray]] = {k: [] for k in Flat.__slots__}  # type: ignore[attr-defined]
+    base = 0
+    for r, (ro, ch) in enumerate(zip(ros, chains)):
+        n = ch.start.size
+        o = ch.order
+        prev = np.arange(base - 1, base + n - 1)
+        if n:
+            prev[0] = -1
+        for k, v in (("i_rank", np.full(n, r)), ("i_start", ch.start), ("i_end", ch.end), ("i_block", ch.block),
+                     ("i_name", ch.name), ("i_piece", ch.piece), ("i_prev", prev),
+                     ("o_rank", np.full(o.size, r)), ("o_item", ch.op_item + base), ("o_start", ro.c_start[o]),
+                     ("o_end", ro.c_end[o]), ("o_name", ro.c_name[o]), ("o_key", ro.c_key[o]),
+                     ("o_send", ro.c_send[o]), ("o_tkey", ro.c_tkey[o])):
+            parts[k].append(v)
+        base += n
+    return Flat(*(np.concatenate(parts[k]) if parts[k] else np.empty(0) for k in Flat.__slots__))  # type: ignore[attr-defined]
+
+
+def host_shift(flat: Flat, hosts: list[str | None]) -> np.ndarray:
+    """Per rank, ms to subtract so that its host's ranks leave collectives with the others at the
+    median (the clock when no estimate applies; 0 for one host)."""
+    shift = np.zeros(len(hosts))
+    if len(set(hosts)) < 2 or flat.o_key.size == 0:
+        return shift
+    coll = flat.o_key < (1 << 62)
+    key, end, rank = flat.o_key[coll], flat.o_end[coll], flat.o_rank[coll].astype(np.int64)
+    late = end - group_median(key, end)
+    host_of = np.array([hash(h) for h in hosts])[rank]
+    for h in set(hosts):
+        mine = host_of == hash(h)
+        if mine.any():
+            shift[[j for j, x in enumerate(hosts) if x == h]] = np.median(late[mine])
+    return shift - np.median(shift)
+
+
+@dataclass(slots=True)
+class Joins:
+    """Per op: its join (-1: none), whether it waits for the join, its transfer time (ms); per join
+    its block."""
+
+    of: np.ndarray
+    waits: np.ndarray
+    transfer: np.ndarray
+    block: np.ndarray
+
+
+def joins(flat: Flat) -> Joins:
+    """Match ops by key: a join needs two members or more, all in one block."""
+    n = flat.o_key.size
+    if n == 0:
+        return Joins(np.empty(0, np.int64), np.empty(0, bool), np.empty(0), np.empty(0, np.int64))
+    _, inv = np.unique(flat.o_key, return_inverse=True)
+    m = int(inv.max()) + 1
+    block = flat.i_block[flat.o_item]
+    lo, hi = np.full(m, np.iinfo(np.int64).max), np.full(m, np.iinfo(np.int64).min)
+    np.minimum.at(lo, inv, block)
+    np.maximum.at(hi, inv, block)
+    last = np.full(m, -np.inf)
+    np.maximum.at(last, inv, flat.o_start)
+    valid = (np.bincount(inv, minlength=m) >= 2) & (lo == hi)
+    ids = np.cumsum(valid) - 1
+    of = np.where(valid[inv], ids[inv], -1)
+    transfer = flat.o_end - last[inv]
+    waits = (of >= 0) & ~(flat.o_send & (transfer < 0))
+    return Joins(of, waits, transfer, lo[valid])
+
+
+def _edges(flat: Flat, jn: Joins, P: int, fixed: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Edge columns [src, dst, own0, wm0, wi0, own1, wm1, wi1], node kinds and node blocks.
+
+    Nodes: one per item (a piece's end, a cluster's exit), then each op's arrival, each op's end,
+    each join."""
+    ni, no, nj = flat.i_start.size, flat.o_start.size, jn.block.size
+    arrive, end, join = ni + np.arange(no), ni + no + np.arange(no), ni + 2 * no + np.arange(nj)
+    rank, item = flat.i_rank.astype(np.int64), np.arange(ni)
+    prev = flat.i_prev
+    same = (prev >= 0) & (flat.i_block[np.maximum(prev, 0)] == flat.i_block)
+    from_ = np.where(same, prev, -1 - rank)  # the chain: the previous item, or the rank's boundary
+    lead = np.where(prev >= 0, flat.i_start - flat.i_end[np.maximum(prev, 0)], 0.0)
+    ikey = flat.i_name * (1 << 20) + flat.i_piece + 1
+    lead_i = _lead_ideal(ikey, lead, prev >= 0)
+    piece = flat.i_piece >= 0
+    dur = flat.i_end - flat.i_start
+    dur_i = np.zeros(ni)
+    dur_i[piece] = group_mean(ikey[piece], dur[piece])
+    o_rank, o_item = flat.o_rank.astype(np.int64), flat.o_item
+    o_dur = flat.o_end - flat.o_start
+    w, nw = jn.waits, ~jn.waits
+    tr_i, du_i = np.zeros(no), np.zeros(no)
+    tr_i[w] = group_median(flat.o_tkey[w], jn.transfer[w])
+    du_i[nw] = group_median(flat.o_tkey[nw], o_dur[nw])
+    untr = rank * P
+    o_own = o_rank * P + flat.o_name
+    cols = [
+        # pieces: lead (untraced) + dur (the piece's phase); clusters' exits get their ops' ends below
+        (from_[piece], item[piece], untr[piece], lead[piece], lead_i[piece],
+         rank[piece] * P + flat.i_name[piece], dur[piece], dur_i[piece]),
+        # each op arrives lead + offset after the item before its cluster
+        (from_[o_item], arrive, untr[o_item], lead[o_item], lead_i[o_item], np.full(no, fixed),
+         flat.o_start - flat.i_start[o_item], flat.o_start - flat.i_start[o_item]),
+        # an op ends no earlier than its arrival (+ its dur when it waits for no join)
+        (arrive, end, o_own, np.where(w, 0.0, o_dur), np.where(w, 0.0, du_i), np.full(no, fixed), np.zeros(no),
+         np.zeros(no)),
+        # ... and, waiting, than its join (the last arrival) + its transfer
+        (join[jn.of[w]], end[w], o_own[w], jn.transfer[w], tr_i[w], np.full(int(w.sum()), fixed),
+         np.zeros(int(w.sum())), np.zeros(int(w.sum()))),
+        # a join waits for every member's arrival
+        (arrive[jn.of >= 0], join[jn.of[jn.of >= 0]]) + _fixed_zero(int((jn.of >= 0).sum()), fixed),
+        # a cluster ends when its last op ends
+        (end, o_item) + _fixed_zero(no, fixed),
+    ]
+    edges = [np.concatenate([np.asarray(c[k]) for c in cols]) for k in range(8)]
+    kinds = np.concatenate([np.where(piece, PIECE, EXIT), np.full(no, ARRIVE), np.full(no, END), np.full(nj, JOIN)])
+    blocks = np.concatenate([flat.i_block, flat.i_block[o_item], flat.i_block[o_item], jn.block])
+    return edges, kinds, blocks
+
+
+def _fixed_zero(n: int, fixed: int) -> tuple[np.ndarray, ...]:
+    z = np.zeros(n)
+    return (np.full(n, fixed), z, z, np.full(n, fixed), z, z)
+
+
+def _lead_ideal(ikey: np.ndarray, lead: np.ndarray, has_prev: np.ndarray) -> np.ndarray:
+    """The typical lead of each item: the mean over items of its key (0 for a rank's first item)."""
+    out = np.zeros(lead.size)
+    if has_prev.any():
+        out[has_prev] = group_mean(ikey[has_prev], lead[has_prev])
+    return out
+
+
+def build(group: Sequence[ProcessState], clock: Clock | None = None, window: Window | None = None,
+          sync: Sequence[str] = SYNC_DEFAULT) -> Graph | None:
+    """The graph of one group of ranks (one source and attempt) over steps ``window`` (inclusive),
+    on ``clock`` (None: each host shifted to the others' median at the collectives). ``sync``: the
+    phases that end with a collective on ranks that recorded no comm op (data parallel without
+    ``comm.*`` spans: the last such span of each step is the collective). None without an op."""
+    if not group:
+        return None
+    names = Names()
+    descs = {g.group: g.desc for d in group for g in d.comm_groups.values()}
+    t0 = min((d.first_ts for d in group if d.first_ts is not None), default=0.0)
+    ros = [rank_ops(d, names, descs, sync, window, clock, 0.0, t0) for d in group]
+    flat = flatten(ros, [chain(ro) for ro in ros])
+    if flat.i_start.size == 0:
+        return None
+    if clock is None:
+        shift = host_shift(flat, [d.host for d in group])
+        if shift.any():
+            ir, orank = flat.i_rank.astype(np.int64), flat.o_rank.astype(np.int64)
+            flat.i_start, flat.i_end = flat.i_start - shift[ir], flat.i_end - shift[ir]
+            flat.o_start, flat.o_end = flat.o_start - shift[orank], flat.o_end - shift[orank]
+    jn = joins(flat)
+    phases = list(names.phases)
+    edges, _, blocks = _edges(flat, jn, len(phases), len(group) * len(phases))
+    graph = _assemble(flat, edges, blocks, [d.rank for d in group], phases)
+    graph.mesh = {i: dict(d.mesh) for i, d in enumerate(group) if d.mesh}
+    graph.collective = {phases[int(i)] for i in np.unique(flat.o_name)}
+    return graph
+
+
+def _assemble(flat: Flat, edges: list[np.ndarray], blocks: np.ndarray, ranks: list[int], phases: list[str]) -> Graph:
+    """Nodes sorted by block, edges by their destination's block; each block's exits and measured T."""
+    steps, bidx = np.unique(blocks, return_inverse=True)
+    nb = steps.size
+    order = np.argsort(bidx, kind="stable")
+    new = np.empty(order.size, np.int64)
+    new[order] = np.arange(order.size)
+    node_off = np.searchsorted(bidx[order], np.arange(nb + 1))
+    src, dst = edges[0].astype(np.int64), edges[1].astype(np.int64)
+    src = np.where(src >= 0, new[np.maximum(src, 0)], src)
+    eb = bidx[dst]
+    eo = np.argsort(eb, kind="stable")
+    edge_off = np.searchsorted(eb[eo], np.arange(nb + 1))
+    own = np.stack([edges[2], edges[5]], axis=1).astype(np.int64)[eo]
+    wm = np.stack([edges[3], edges[6]], axis=1)[eo]
+    wi = np.stack([edges[4], edges[7]], axis=1)[eo]
+    ni = flat.i_start.size
+    rank = flat.i_rank.astype(np.int64)
+    ib = bidx[:ni]
+    last = np.ones(ni, bool)
+    last[:-1] = (rank[1:] != rank[:-1]) | (ib[1:] != ib[:-1])
+    exits = np.full((nb, len(ranks)), -1, np.int64)
+    exits[ib[last], rank[last]] = new[np.flatnonzero(last)]
+    measured = np.full(nb, -np.inf)
+    np.maximum.at(measured, ib[last], flat.i_end[last])
+    first = np.full(len(ranks), np.nan)
+    heads = flat.i_prev < 0
+    first[rank[heads]] = flat.i_start[heads]
+    return Graph(ranks, phases, steps, src[eo], new[dst][eo], own, wm, wi, node_off, edge_off, exits, first, measured)
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulation
+
+
+@dataclass(slots=True)
+class Plan:
+    """One block's evaluation order: edges permuted so that each level's edges are contiguous and
+    sorted by destination; ``levels`` (p0, p1, q0, q1, offsets) per level; local node positions:
+    ranks' boundaries first, then the block's nodes in level order."""
+
+    eperm: np.ndarray
+    src: np.ndarray
+    levels: list[tuple[int, int, int, int, np.ndarray]]
+    exits: np.ndarray
+    exit_ranks: np.ndarray
+
+
+def _levels(src: np.ndarray, dst: np.ndarray, n: int) -> np.ndarray:
+    """Each local node's level (longest path from the boundaries, in edges), Kahn's way, a level at a time."""
+    indeg = np.bincount(dst, minlength=n)
+    order = np.argsort(src, kind="stable")
+    out_dst = dst[order]
+    starts = np.searchsorted(src[order], np.arange(n + 1))
+    level = np.full(n, -1, np.int64)
+    frontier = np.flatnonzero(indeg == 0)
+    lev = 0
+    while frontier.size:
+        level[frontier] = lev
+        counts = starts[frontier + 1] - starts[frontier]
+        total = int(counts.sum())
+        if total == 0:
+            break
+        base = np.repeat(starts[frontier] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        reached = out_dst[base + np.arange(total)]
+        indeg -= np.bincount(reached, minlength=n)
+        frontier = np.unique(reached[indeg[reached] == 0])
+        lev += 1
+    if (level < 0).any():
+        raise ValueError("the dependency graph has a cycle")  # cannot happen: edges follow measured time
+    return level
+
+
+def plan(g: Graph, b: int) -> Plan:
+    """Block ``b``'s :class:`Plan`, shared by every block with the same structure (cached on ``g``)."""
+    R = len(g.ranks)
+    n0, n1, e0, e1 = g.nodes[b], g.nodes[b + 1], g.edges[b], g.edges[b + 1]
+    src, dst = g.src[e0:e1], g.dst[e0:e1]
+    src_l = np.where(src < 0, -1 - src, R + src - n0)
+    dst_l = R + dst - n0
+    ex = g.exits[b]
+    have = np.flatnonzero(ex >= 0)
+    key = (int(n1 - n0), src_l.tobytes(), dst_l.tobytes(), (ex[have] - n0).tobytes(), have.tobytes())
+    found = g.plans.get(key)
+    if found is not None:
+        return found
+    n = R + int(n1 - n0)
+    level = _levels(src_l, dst_l, n)
+    perm = np.argsort(level[R:], kind="stable")
+    pos = np.arange(n)
+    pos[R + perm] = R + np.arange(perm.size)
+    pd = pos[dst_l]
+    eperm = np.argsort(pd, kind="stable")
+    pd = pd[eperm]
+    lv = level[R:][perm]
+    bounds = np.flatnonzero(np.diff(lv, prepend=-1, append=lv.max() + 1 if lv.size else 0)) + R
+    levels = []
+    for p0, p1 in zip(bounds[:-1], bounds[1:]):
+        q0, q1 = np.searchsorted(pd, [p0, p1])
+        offs = np.searchsorted(pd[q0:q1], np.arange(p0, p1))
+        levels.append((int(p0), int(p1), int(q0), int(q1), offs))
+    out = Plan(eperm, pos[src_l][eperm], levels, pos[R + ex[have] - n0], have)
+    g.plans[key] = out
+    return out
+
+
+def simulate(g: Graph, masks: np.ndarray) -> np.ndarray:
+    """T (ms, shape scenarios x blocks): each block's latest end of a rank's last op, per scenario.
+
+    ``masks[s, owner]`` True: the owner's terms are as measured in scenario s, else typical; the
+    last column (fixed) must be True."""
+    S, R = masks.shape[0], len(g.ranks)
+    bound = np.tile(g.first, (S, 1))
+    T = np.full((S, g.steps.size), np.nan)
+    for b in range(g.steps.size):
+        p = plan(g, b)
+        e0, e1 = g.edges[b], g.edges[b + 1]
+        own, wm, wi = g.own[e0:e1][p.eperm], g.wm[e0:e1][p.eperm], g.wi[e0:e1][p.eperm]
+        W = np.where(masks[:, own[:, 0]], wm[:, 0], wi[:, 0]) + np.where(masks[:, own[:, 1]], wm[:, 1], wi[:, 1])
+        V = np.empty((S, R + int(g.nodes[b + 1] - g.nodes[b])))
+        V[:, :R] = bound
+        src = p.src
+        for p0, p1, q0, q1, offs in p.levels:
+            V[:, p0:p1] = np.maximum.reduceat(V[:, src[q0:q1]] + W[:, q0:q1], offs, axis=1)
+        vals = V[:, p.exits]
+        if vals.size:
+            T[:, b] = vals.max(axis=1)
+        bound[:, p.exit_ranks] = vals
+    return T
+
+
+def step_times(T: np.ndarray) -> np.ndarray:
+    """Per scenario, each step's time (ms): ``T[b] - T[b-1]`` for every block but the first."""
+    return np.diff(T, axis=-1)
