@@ -20,7 +20,8 @@ Findings (``kind``), decided per group of processes that ran together (same sour
   "Stragglers"). Excess that is explained by waiting (a peer arrived later at this phase because it
   was slower in an earlier phase of the same step) is discounted, so the rank that is slow in
   ``data_fetch`` is named, not the peers that wait for it in ``backward``. Each one says what it
-  costs per step, from the what-if model.
+  costs per step, from the what-if model; one whose cost is ~0 (its excess does not lengthen the
+  step: waiting absorbed by a later peer) is a victim, not named (docs/analysis.md "Victims").
 * ``restart``: an attempt after the first; says whether it got further than the one before.
 
 At the communication level (the run's comm graph, :mod:`otel_train.analysis.comm`; docs/comm.md
@@ -82,6 +83,11 @@ STRAGGLER_MIN_EXCESS_MS = 0.5
 """... and its median excess (after discounting waiting) is at least this many ms ..."""
 STRAGGLER_MIN_EXCESS_PCT = 5.0
 """... and at least this percentage of the phase's median duration."""
+STRAGGLER_MIN_COST_SHARE = 0.1
+"""A phase-rule straggler must cost (what-if) at least this share of its excess: an excess that does not
+lengthen the step is waiting absorbed by a later peer (a victim: docs/analysis.md "Victims") ..."""
+STRAGGLER_MIN_COST_PCT = 1.0
+"""... and at least this percentage of the step: a cost of ~0 is no straggler worth naming."""
 ARRIVAL_MAX_P = 1e-3
 """A rank is last to arrive at more of its group's collectives than chance (1 / members) gives: binomial
 p below this ..."""
@@ -380,7 +386,10 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
     slower than its peers' median in significantly more shared steps than chance gives (one-sided
     sign test, p < ``STRAGGLER_MAX_P``, at least ``STRAGGLER_MIN_STEPS`` steps) *and* its median
     excess is at least ``STRAGGLER_MIN_EXCESS_MS`` and ``STRAGGLER_MIN_EXCESS_PCT`` of the phase's
-    median. Each finding carries its score, p-value and its cost per step (from the what-if model).
+    median. Each finding carries its score, p-value and its cost per step (from the what-if model);
+    one whose cost is below ``STRAGGLER_MIN_COST_SHARE`` of its excess or ``STRAGGLER_MIN_COST_PCT``
+    of the step is dropped (a victim; docs/analysis.md "Victims"). Without ``step`` spans the
+    top-level phases that carry a step are the step's sequence.
 
     With a comm ``graph``: ``comm.*`` spans are left to the arrival rule (:func:`arrival_findings`);
     a rank named in a phase is dropped when, judged without the time its comm ops in that phase
@@ -391,7 +400,7 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
         return []
     names = [n for n in (order or Run(list(group)).phase_order())
              if any(n in d.phases for d in group) and not n.startswith(schema.COMM_PREFIX)]
-    children = {n for n in names if any(d.parents.get(n) == STEP for d in group)}
+    children = _step_children(group, names)
     axis = step_axis(group, names)
     if window is not None:
         axis = axis[(axis >= window[0]) & (axis <= window[1])]
@@ -416,6 +425,14 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
         out = _most_specific(group, out)
     out = _with_costs(group, out, window, graph.clock if graph is not None else None)
     return _with_arrivals(out, arrival_findings(group, graph, window) if graph is not None else [])
+
+
+def _step_children(group: Sequence[ProcessState], names: Sequence[str]) -> set[str]:
+    """The phases that follow one another inside a step: the children of ``step``; in a run without
+    ``step`` spans (``ot.set_step`` only), the top-level spans that carry a step."""
+    if any(STEP in d.phases for d in group):
+        return {n for n in names if any(d.parents.get(n) == STEP for d in group)}
+    return {n for n in names if n != STEP and any(n in d.phases and d.parents.get(n) is None for d in group)}
 
 
 def _most_specific(group: Sequence[ProcessState], found: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -501,13 +518,27 @@ def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], wind
         return found
     s = scenarios(table)
     actual = float(s.actual.mean())
+    kept = []
     for f in found:
         typical = s.by_rank_phase.get((f["rank"], f["phase"]), s.by_rank[f["rank"]])
         cost = step_cost(actual, float(typical.mean()))
+        if _absorbed(f, cost):
+            continue
         f.update(cost)
         f["message"] += (f"; it costs {cost['cost_ms']:.1f} ms of every {actual:.1f} ms step "
                          f"({cost['cost_pct']:.0f} %, what-if)")
-    return found
+        kept.append(f)
+    return kept
+
+
+def _absorbed(f: dict[str, Any], cost: dict[str, float]) -> bool:
+    """Whether a phase-rule straggler's what-if cost is ~0: below :data:`STRAGGLER_MIN_COST_SHARE` of
+    its excess (the excess is waiting for a later peer, e.g. inside a collective whose other members
+    arrive late: a victim) or below :data:`STRAGGLER_MIN_COST_PCT` of the step."""
+    excess = f.get("excess_ms")
+    if excess is None or not np.isfinite(cost["cost_ms"]):
+        return False
+    return cost["cost_ms"] < STRAGGLER_MIN_COST_SHARE * excess or cost["cost_pct"] < STRAGGLER_MIN_COST_PCT
 
 
 def _restart_findings(run: Run) -> list[dict[str, Any]]:
