@@ -28,6 +28,7 @@ a run without comm spans pays nothing for them.
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import multiprocessing
 import os
@@ -54,11 +55,15 @@ from otel_train.analysis.records import (
     Scalar,
     SpanEnd,
     SpanStart,
+    TraceReadError,
     Warn,
     find_process_files,
     head,
+    logs_dir,
     warn_to_stderr,
 )
+from otel_train.analysis.reading import window
+from otel_train.analysis.reading.cache import Cache, identify
 from otel_train.phases import STEP, STEP_PHASES
 
 STATUS_OPEN = "open"
@@ -666,17 +671,87 @@ def keep_steps(state: ProcessState, lo: int, hi: int) -> None:
 
 def read_process(pf: ProcessFiles, attempt: int, reader: Reader, *, keep: bool = False,
                  steps: tuple[int, int] | None = None, meta: Head | None = None) -> ProcessState:
-    """Every record of one process's files fed into a new state (finished; step window applied)."""
+    """One process's files fed into a new state (finished; step window applied).
+
+    With ``steps`` only the window's bytes and what its spans need are read (:mod:`.reading.window`),
+    unless the process's steps are not monotone: then every record, as without a window. Either
+    way the state is then cut to the window (:func:`restrict`)."""
     state = ProcessState.of(pf, attempt, keep=keep, meta=meta)
     before = reader.malformed_lines
+    plan = window.plan(pf, *steps) if steps is not None else None
     with _cycles_unchecked():
-        for batch in reader.batches(pf):
-            state.feed(batch)
+        if plan is not None:
+            _feed_window(state, pf, plan, reader, steps[0])  # type: ignore[index]
+        else:
+            for batch in reader.batches(pf):
+                state.feed(batch)
     state.malformed = reader.malformed_lines - before
     state.finish()
-    if steps is not None and keep:
-        keep_steps(state, *steps)
+    if steps is not None:
+        restrict(state, *steps)
+        if keep:
+            keep_steps(state, *steps)
     return state
+
+
+def _feed_window(state: ProcessState, pf: ProcessFiles, plan: window.Plan, reader: Reader, lo: int) -> None:
+    """Feed the plan's ranges in file order; before the tail, the ends of head spans still open. After
+    bytes not read, a span start of a step before ``lo`` is left out (its parent may be unread), and
+    an end whose start was not read (and that began after the oldest record: no orphan) with it; its
+    step is before the window (docs/analysis.md, "Reading")."""
+    seen: set[str | None] = set()
+    first_ts = plan.first_ts if plan.first_ts is not None else 0.0
+    for k, rng in enumerate(plan.ranges):
+        if k == len(plan.ranges) - 1:
+            stepless = [r.span_id for r in state.opened.values() if r.step is None and r.span_id]
+            if stepless:
+                state.feed(window.find_ends(pf, plan, stepless))
+        batch = window.read_range(rng, reader.bad)
+        if reader._progress is not None:
+            reader._progress(rng.end - rng.start)
+        if rng.gap:  # a span started before the window: its start, and so its end, are left out
+            batch = [r for r in batch if type(r) is not SpanStart or r.step is None or r.step >= lo]
+        seen.update(r.span_id for r in batch if type(r) is SpanStart)
+        if rng.gap:
+            batch = [r for r in batch if type(r) is not SpanEnd or r.span_id in seen
+                     or r.began() < first_ts - 5e-4]
+        state.feed(batch)
+
+
+def restrict(state: ProcessState, lo: int, hi: int) -> None:
+    """Cut a finished state to steps ``lo..hi`` (inclusive): phase columns, errors, open and incomplete
+    spans, stalls and comm ops of other steps (or of none) are dropped; what the process is (identity,
+    how it ended, its last step and event, comm groups) stays whole. A full read and a window read of
+    the same process cut to the same window are equal (tests/test_windows.py)."""
+
+    def within(step: int | None) -> bool:
+        return step is not None and lo <= step <= hi
+
+    for name, series in list(state.phases.items()):
+        rows = [i for i, s in enumerate(series.steps) if lo <= s <= hi]
+        if not rows:
+            del state.phases[name]
+            continue
+        if len(rows) < len(series.steps):
+            state.phases[name] = PhaseSeries(array("q", [series.steps[i] for i in rows]),
+                                             array("d", [series.durs[i] for i in rows]),
+                                             array("d", [series.ends[i] for i in rows]))
+    state.errors = [e for e in state.errors if within(e.step)]
+    state.incomplete = [u for u in state.incomplete if within(u.step)]
+    state.opened = {k: r for k, r in state.opened.items() if within(r.step)}
+    state.stalls = {k: r for k, r in state.stalls.items() if within(r.step)}
+    names = set(state.phases) | {u.name for u in state.unclosed}
+    state.parents = {k: v for k, v in state.parents.items() if k in names}
+    log, kept = state.comm, CommLog()
+    kept.strings, kept._index, kept.odd_sids = log.strings, log._index, {}
+    for i in range(len(log)):
+        if lo <= log.step[i] <= hi:
+            for column in ("start", "end", "seq", "peer", "nbytes", "step", "tid", "sid"):
+                getattr(kept, column).append(getattr(log, column)[i])
+            kept.codes.extend(log.codes[6 * i:6 * i + 6])
+            if i in log.odd_sids:
+                kept.odd_sids[len(kept) - 1] = log.odd_sids[i]
+    state.comm = kept
 
 
 @contextmanager
@@ -692,14 +767,52 @@ def _cycles_unchecked() -> Iterator[None]:
             gc.enable()
 
 
+_chosen_run: contextvars.ContextVar[str | None] = contextvars.ContextVar("otel_train_run_id", default=None)
+
+
+def use_run(run_id: str | None) -> None:
+    """``--run-id``: the run every following read in this context analyses (None: the default rule)."""
+    _chosen_run.set(run_id)
+
+
+def run_started(heads: Iterable[Head | None]) -> float:
+    """When a run started: its processes' earliest first record."""
+    return min((h.ts for h in heads if h is not None), default=0.0)
+
+
+def choose_run(heads: dict[ProcessFiles, Head | None], path: str | Path, wanted: str | None = None
+               ) -> tuple[str | None, str | None]:
+    """Which run of a directory to analyse (docs/analysis.md, "Several runs in one directory"), and the
+    line that says so when it holds several (else None): ``wanted`` (``--run-id``, default: the one set by
+    :func:`use_run`), or the run started last. Raises TraceReadError for a ``wanted`` id it does not hold."""
+    wanted = wanted if wanted is not None else _chosen_run.get()
+    runs: dict[str | None, list[Head | None]] = {}
+    for meta in heads.values():
+        runs.setdefault(meta.run_id if meta is not None else None, []).append(meta)
+    names = sorted(runs, key=lambda r: (run_started(runs[r]), str(r)))
+    if wanted is not None and wanted not in runs:
+        held = ", ".join(str(r) for r in names) or "none"
+        raise TraceReadError(f"{path}: no run with id {wanted!r} here (runs: {held}); pass one of them to --run-id")
+    chosen = wanted if wanted is not None else (names[-1] if names else None)
+    if len(runs) < 2:
+        return chosen, None
+    return chosen, f"run {chosen} ({len(runs)} runs in {path}; --run-id to pick another)"
+
+
 def process_order(path: str | Path, ranks: set[int] | None = None, warn: Warn = warn_to_stderr
                   ) -> list[tuple[ProcessFiles, int, Head | None]]:
     """The run's processes (of ``ranks``, when given) with attempt and head, sorted by rank, attempt, source.
 
-    Raises TraceReadError when ``path`` holds no trace files.
+    A directory holding several runs (run ids) gives the processes of one (:func:`choose_run`) and says
+    which through ``warn``. Raises TraceReadError when ``path`` holds no trace files (or not the run asked for).
     """
-    pfs = [pf for pf in find_process_files(path, warn) if ranks is None or pf.rank in ranks]
-    heads: dict[ProcessFiles, Head | None] = {}
+    found = find_process_files(path, warn)
+    heads: dict[ProcessFiles, Head | None] = {pf: head(pf) for pf in found}
+    chosen, note = choose_run(heads, path)
+    if note is not None:
+        warn(note)
+    pfs = [pf for pf in found if (ranks is None or pf.rank in ranks)
+           and (note is None or (heads[pf].run_id if heads[pf] is not None else None) == chosen)]
     attempts = assign_attempts(pfs, heads)
     pfs.sort(key=lambda pf: (pf.rank, attempts[pf], pf.source))
     return [(pf, attempts[pf], heads[pf]) for pf in pfs]
@@ -768,30 +881,67 @@ def _read_task(args: tuple[ProcessFiles, int, Head | None]) -> tuple[ProcessStat
     return state, warnings
 
 
+def _read_all(tasks: list[tuple[ProcessFiles, int, Head | None]], store: Cache, workers: int
+              ) -> list[tuple[ProcessState, list[str]]]:
+    """Each process's (state, warnings): from the cache (extended by what was appended since), else
+    read (by ``workers`` processes when > 1) and kept in the cache."""
+    before = [[identify(p) for p in pf.paths] if store.enabled else [] for pf, _, _ in tasks]
+    out: list[tuple[ProcessState, list[str]] | None] = [None] * len(tasks)
+    for i, (pf, attempt, meta) in enumerate(tasks):
+        hit = store.lookup(pf)
+        if hit is None or not isinstance(hit.payload, tuple) or not isinstance(hit.payload[0], ProcessState):
+            continue
+        state, warnings = hit.payload
+        state.attempt = attempt
+        if hit.resume is not None:
+            more = Reader(warn=warnings.append)
+            for batch in more.batches(pf, hit.resume):
+                state.feed(batch)
+            state.malformed += more.malformed_lines
+            state._sinks = state._comm_sinks = {}
+            store.store(pf, before[i], (state, warnings))
+        out[i] = (state, warnings)
+    todo = [i for i, got in enumerate(out) if got is None]
+    if workers > 1 and len(todo) > 1:
+        with ProcessPoolExecutor(min(workers, len(todo)), mp_context=pool_context()) as pool:
+            read = list(pool.map(_read_task, [tasks[i] for i in todo]))
+    else:
+        read = [_read_task(tasks[i]) for i in todo]
+    for i, got in zip(todo, read):
+        store.store(tasks[i][0], before[i], got)
+        out[i] = got
+    return out  # type: ignore[return-value]
+
+
 def load_run(
     path: str | Path,
     *,
     warn: Warn | None = None,
     progress: Callable[[int], None] | None = None,
     workers: int | None = None,
+    steps: tuple[int, int] | None = None,
+    cache: bool = True,
 ) -> Run:
     """Every process of the run at ``path`` as a compact state; raises TraceReadError without trace files.
 
     ``warn`` gets one line per file with malformed lines (default: stderr); ``progress`` gets byte
     counts as they are consumed. ``workers`` (default: CPU count) > 1 reads large runs in parallel.
+    ``steps`` (inclusive): only that window, read at the window's cost (:func:`read_process`).
+    ``cache``: serve and keep each process's state in the run's read cache (:mod:`.reading.cache`).
     """
     reader = Reader(warn=warn, progress=progress)
     tasks = process_order(path, warn=reader.bad.warn)
     sizes = [pf.size for pf, _, _ in tasks]
     workers = min(workers or os.cpu_count() or 1, len(tasks))
     states: list[ProcessState] = []
-    if workers > 1 and sum(sizes) >= PARALLEL_MIN_BYTES:
-        with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
-            for size, (state, warnings) in zip(sizes, pool.map(_read_task, tasks)):
-                reader.absorb(state.malformed, warnings, size)
-                states.append(state)
+    if steps is not None:
+        states = [read_process(pf, attempt, reader, meta=meta, steps=steps) for pf, attempt, meta in tasks]
     else:
-        states = [read_process(pf, attempt, reader, meta=meta) for pf, attempt, meta in tasks]
+        store = Cache(logs_dir(path), enabled=cache)
+        parallel = workers > 1 and sum(sizes) >= PARALLEL_MIN_BYTES
+        for size, (state, warnings) in zip(sizes, _read_all(tasks, store, workers if parallel else 1)):
+            reader.absorb(state.malformed, warnings, size)
+            states.append(state)
     states = [s for s in states if s.records]
     states.sort(key=lambda s: (s.rank, s.attempt, s.source))
     return Run(states, reader.malformed_lines)

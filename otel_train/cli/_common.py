@@ -107,14 +107,31 @@ def byte_progress(path: str | Path, label: str) -> Iterator[Callable[[int], None
         yield lambda n: bar.advance(task, n)
 
 
-def load(path: str | Path, label: str = "reading") -> Run:
-    """Digest the run at ``path`` with progress and warnings on stderr; reports skipped lines."""
+def load(path: str | Path, label: str = "reading", *, steps: str | None = None, cache: bool = True) -> Run:
+    """Digest the run at ``path`` with progress and warnings on stderr; reports skipped lines.
+
+    ``steps`` is ``--steps A-B`` as typed (a bad one exits 2 with one line); ``cache`` False is
+    ``--no-cache`` (docs/analysis.md, "Reading")."""
     from otel_train.analysis.spans import load_run
 
+    window = parse_window(steps) if steps is not None else None
     with byte_progress(path, label) as progress:
-        run = load_run(path, warn=warn, progress=progress)
+        run = load_run(path, warn=warn, progress=progress, steps=window, cache=cache)
     note_malformed(run.malformed_lines)
     return run
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """``--steps 100-200`` -> (100, 200), inclusive; ``7`` -> (7, 7); anything else exits 2 with one line."""
+    lo_s, sep, hi_s = text.strip().partition("-")
+    try:
+        lo = int(lo_s)
+        hi = int(hi_s) if sep else lo
+    except ValueError:
+        fail(f"--steps {text!r}: expected a step or a range like 100-200", EXIT_NO_TRACES)
+    if lo < 0 or hi < lo:
+        fail(f"--steps {text!r}: a range must be low-high with 0 <= low <= high, like 100-200", EXIT_NO_TRACES)
+    return lo, hi
 
 
 def note_malformed(count: int) -> None:

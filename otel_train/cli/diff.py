@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -29,14 +29,17 @@ def diff(
                                 help="A change is significant below this Mann-Whitney p-value."),
     min_pct: float = typer.Option(DEFAULT_MIN_PCT, "--min-pct", min=0.0, help="... and at least this % of A's median"),
     min_ms: float = typer.Option(DEFAULT_MIN_MS, "--min-ms", min=0.0, help="... and at least this many ms."),
+    steps: Optional[str] = typer.Option(None, "--steps", metavar="A-B",
+                                        help="Only steps A..B (inclusive), read at the window's cost."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Neither use nor fill the run's read cache."),
 ) -> None:
     """Did B get slower? p50/p95 per phase and per rank x phase in both runs, the change and its
     significance; regressions and improvements that are significant and big enough."""
     with cli_errors():
         from otel_train.analysis.diff import Thresholds, diff_runs
 
-        a = load(path_a, "reading A")
-        b = load(path_b, "reading B")
+        a = load(path_a, "reading A", steps=steps, cache=not no_cache)
+        b = load(path_b, "reading B", steps=steps, cache=not no_cache)
         result = diff_runs(a, b, Thresholds(max_p, min_pct, min_ms))
         if as_json:
             print_json(result)

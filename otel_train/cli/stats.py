@@ -25,12 +25,15 @@ def stats(
     csv_file: Optional[Path] = typer.Option(
         None, "--csv", help="Also write the per-step, per-rank breakdown (with idle time) to this CSV file."
     ),
+    steps: Optional[str] = typer.Option(None, "--steps", metavar="A-B",
+                                        help="Only steps A..B (inclusive), read at the window's cost."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Neither use nor fill the run's read cache."),
 ) -> None:
     """Per phase x rank timings, per-step breakdown with idle time, straggler scores vs. peers."""
     with cli_errors():
         from otel_train.analysis.stats import compute_stats
 
-        result = compute_stats(load(path))
+        result = compute_stats(load(path, steps=steps, cache=not no_cache))
         if csv_file is not None:
             write_steps_csv(result["steps"], csv_file)
             warn(f"wrote {len(result['steps'])} step rows to {csv_file}")

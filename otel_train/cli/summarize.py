@@ -34,6 +34,9 @@ def summarize(
         False, "--no-align",
         help="Compare hosts on their raw clocks: no offset is estimated or applied (docs/clock.md).",
     ),
+    steps: Optional[str] = typer.Option(None, "--steps", metavar="A-B",
+                                        help="Only steps A..B (inclusive), read at the window's cost."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Neither use nor fill the run's read cache."),
 ) -> None:
     """Which rank stopped where, per-phase timings, and findings (hang, crash, desync, error, straggler, restart)."""
     with cli_errors():
@@ -46,7 +49,7 @@ def summarize(
         else:
             from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
 
-            run = load(path)
+            run = load(path, steps=steps, cache=not no_cache)
             run.align = not no_align
             summary = summarize_run(with_dumps(run, fr if fr is not None else default_fr(path, run), warn))
         if as_json:

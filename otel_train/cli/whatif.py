@@ -33,13 +33,16 @@ def whatif(
                                   help="Compare hosts on their raw clocks, not the estimate (docs/clock.md)."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
                                         help="Also draw the slowdown heatmap, rank x phase, as PNG or SVG (by suffix)."),
+    steps: Optional[str] = typer.Option(None, "--steps", metavar="A-B",
+                                        help="Only steps A..B (inclusive), read at the window's cost."),
+    no_cache: bool = typer.Option(False, "--no-cache", help="Neither use nor fill the run's read cache."),
 ) -> None:
     """How much faster each step would be with each rank, and each phase, made typical (replayed
     through the synchronisation the spans show: every rank waits for the slowest at each collective)."""
     with cli_errors():
         from otel_train.analysis.whatif import whatif as whatif_run
 
-        run = load(path)
+        run = load(path, steps=steps, cache=not no_cache)
         run.align = not no_align
         result = whatif_run(run, sync=[s.strip() for s in sync.split(",") if s.strip()])
         if plot is not None:

@@ -37,10 +37,11 @@ class Reader:
         if self._progress is not None:
             self._progress(nbytes)
 
-    def batches(self, pf: ProcessFiles) -> Iterator[list[AnyRecord]]:
-        """The process's records in file order, in lists of about a MiB of input each."""
-        for path in pf.paths:
-            for offset, chunk in _chunks(path, self.bad):
+    def batches(self, pf: ProcessFiles, start: tuple[int, int] = (0, 0)) -> Iterator[list[AnyRecord]]:
+        """The process's records in file order, in lists of about a MiB of input each; from byte
+        ``start[1]`` of segment ``start[0]`` on (a line start), when given."""
+        for i, path in enumerate(pf.paths[start[0]:], start[0]):
+            for offset, chunk in _chunks(path, self.bad, start[1] if i == start[0] else 0):
                 yield decode_chunk(chunk, path, lambda o=offset, p=path: line_number(p, o), self.bad)
                 if self._progress is not None:
                     self._progress(len(chunk))
@@ -131,7 +132,7 @@ def read_tail(pf: ProcessFiles, nbytes: int, bad: BadLines) -> tuple[list[AnyRec
     return records, whole
 
 
-def _chunks(path: Path, bad: BadLines) -> Iterator[tuple[int, bytes | memoryview]]:
+def _chunks(path: Path, bad: BadLines, start: int = 0) -> Iterator[tuple[int, bytes | memoryview]]:
     """``(byte offset, buffer)`` pieces of a file, each ending at a line break (but the torn tail).
 
     A line cut by a block boundary is yielded alone (its pieces joined once, so a long line costs its
@@ -147,6 +148,9 @@ def _chunks(path: Path, bad: BadLines) -> Iterator[tuple[int, bytes | memoryview
         return
     with f:
         line = _LongLine(path, bad)
+        if start:
+            f.seek(start)
+            line.offset = start
         while True:
             try:
                 block = f.read(CHUNK_BYTES)

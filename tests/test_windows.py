@@ -1,0 +1,189 @@
+"""Step windows (``--steps A-B``): what a window read gives equals the same steps of a full read.
+
+A window read bisects each file on its steps and reads only the window, the head, the tail and the
+ends of spans that enclose the window (otel_train/analysis/reading/window.py); these tests cut a full
+read to the same window (``spans.restrict``) and compare: phases, findings, stats rows, whatif, the
+exported slices, across rotated segments, with spans open across the window's edges.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from analysis_fixtures import Proc, write_run
+from otel_train.analysis.reading import window
+from otel_train.analysis.records import Reader, find_process_files
+from otel_train.analysis.spans import Run, iter_processes, keep_steps, load_run, read_process, restrict
+from otel_train.analysis.stats import compute_stats
+from otel_train.analysis.summary import summarize_run
+from otel_train.analysis.whatif import whatif
+from otel_train.cli import app
+
+STEPS = 300
+
+
+def _procs(n_steps: int = STEPS, *, slow_rank: int | None = 1, umbrella: bool = True) -> list[Proc]:
+    procs = []
+    for rank in range(4):
+        p = Proc(rank=rank, world_size=4)
+        if umbrella:
+            p.start("train")  # before the first step: no step, encloses every window
+        for s in range(n_steps):
+            fetch = 9.0 if rank == slow_rank and s % 2 == 0 else 5.0
+            p.step(s, {"data_fetch": fetch, "forward": 20.0, "backward": 40.0, "optimizer": 5.0})
+        if umbrella:
+            p.advance(2.0)
+            p.end()  # train ends after the last step: found by the raw scan back from the tail
+        p.shutdown()
+        procs.append(p)
+    return procs
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("windows")
+    write_run(d, _procs(), lines_per_segment=700)  # about 8 steps a segment: dozens of segments
+    return d
+
+
+def _cut(run: Run, lo: int, hi: int) -> Run:
+    for state in run.processes:
+        restrict(state, lo, hi)
+    return run
+
+
+def _phases(run: Run) -> list[tuple]:
+    return [(d.rank, name, list(s.steps), list(s.durs), list(s.ends))
+            for d in run.processes for name, s in sorted(d.phases.items())]
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 9), (100, 109), (145, 160), (290, 299), (0, STEPS - 1), (5000, 5010)])
+def test_window_read_equals_the_same_steps_of_a_full_read(run_dir: Path, lo: int, hi: int) -> None:
+    win = load_run(run_dir, steps=(lo, hi), cache=False)
+    full = _cut(load_run(run_dir, cache=False), lo, hi)
+    assert _phases(win) == _phases(full)
+    if lo < STEPS:
+        assert _phases(win), "the window holds steps"
+    for a, b in zip(win.processes, full.processes):
+        assert (a.ended_cleanly, a.final_step, a.last_event, a.errors) == (b.ended_cleanly, b.final_step,
+                                                                           b.last_event, b.errors)
+        assert [(u.name, u.step, u.status) for u in a.unclosed] == [(u.name, u.step, u.status) for u in b.unclosed]
+    sa, sb = summarize_run(win), summarize_run(full)
+    assert sa["phases"] == sb["phases"]
+    assert sa["findings"] == sb["findings"]
+    assert compute_stats(win)["steps"] == compute_stats(full)["steps"]
+
+
+def test_window_finds_the_straggler_and_whatif_agrees(run_dir: Path) -> None:
+    lo, hi = 100, 199
+    win = load_run(run_dir, steps=(lo, hi), cache=False)
+    full = _cut(load_run(run_dir, cache=False), lo, hi)
+    assert json.dumps(whatif(win), sort_keys=True) == json.dumps(whatif(full), sort_keys=True)  # NaN == NaN
+    found = [f for f in summarize_run(win)["findings"] if f["kind"] == "straggler"]
+    assert [f["rank"] for f in found] == [1], found
+
+
+def test_window_reads_a_fraction_of_the_bytes(run_dir: Path) -> None:
+    for pf in find_process_files(run_dir):
+        plan = window.plan(pf, 150, 152)
+        assert plan is not None
+        assert plan.nbytes < pf.size / 4, (plan.nbytes, pf.size)
+        assert any(r.gap for r in plan.ranges)
+
+
+def _spans(states: list) -> list[tuple]:
+    return sorted((d.rank, s.name, s.span_id, s.step, s.start_ts, s.end_ts, s.status, s.parent_span_id)
+                  for d in states for s in d.spans)
+
+
+@pytest.mark.parametrize("lo,hi", [(148, 152), (0, 3), (296, 299)])
+def test_exported_slices_equal_the_full_read(run_dir: Path, lo: int, hi: int) -> None:
+    win = list(iter_processes(run_dir, Reader(), steps=(lo, hi)))
+    full = []
+    for pf in find_process_files(run_dir):
+        state = read_process(pf, 0, Reader(), keep=True)
+        keep_steps(state, lo, hi)
+        full.append(state)
+    got, want = _spans(win), _spans(full)
+    assert got == want
+    umbrella = [s for s in got if s[1] == "train"]
+    assert len(umbrella) == 4 and all(s[6] == "ok" and s[5] is not None for s in umbrella), umbrella
+    assert any(s[1] == "step" and s[3] == lo for s in got)
+
+
+def test_a_span_crossing_the_window_start_is_not_moved_into_it(tmp_path: Path) -> None:
+    p = Proc(rank=0, world_size=1)
+    for s in range(40):
+        p.step(s)
+    p.set_step(40)
+    p.start("step")
+    p.start("checkpoint")  # started in step 40, ended in step 41: its step is 40
+    p.advance(5.0)
+    p.set_step(41)
+    p.end()
+    p.end()
+    for s in range(42, 80):
+        p.step(s)
+    p.shutdown()
+    write_run(tmp_path, [p], lines_per_segment=50)
+    for lo, hi in ((41, 45), (40, 41)):
+        win = load_run(tmp_path, steps=(lo, hi), cache=False)
+        full = _cut(load_run(tmp_path, cache=False), lo, hi)
+        assert _phases(win) == _phases(full)
+        assert ("checkpoint" in win.processes[0].phases) == (lo <= 40)
+
+
+def test_steps_that_repeat_per_epoch_are_read_whole(tmp_path: Path) -> None:
+    p = Proc(rank=0, world_size=1)
+    for epoch in range(3):
+        for s in range(50):
+            p.step(s)
+    p.shutdown()
+    write_run(tmp_path, [p], lines_per_segment=200)
+    pf = find_process_files(tmp_path)[0]
+    assert window.plan(pf, 10, 12) is None
+    win = load_run(tmp_path, steps=(10, 12), cache=False)
+    full = _cut(load_run(tmp_path, cache=False), 10, 12)
+    assert _phases(win) == _phases(full)
+
+
+def test_torn_lines_in_the_window_are_warned_and_counted(tmp_path: Path) -> None:
+    procs = _procs(60, umbrella=False)
+    write_run(tmp_path, procs, garbage={300: b'{"v":1,"ts":1700000000.1,"kind":"span_'})
+    warnings: list[str] = []
+    win = load_run(tmp_path, steps=(28, 31), cache=False, warn=warnings.append)
+    assert win.malformed_lines == 4 and len(warnings) == 4, warnings
+
+
+def test_cli_steps_on_every_reading_command(run_dir: Path, tmp_path: Path) -> None:
+    runner = CliRunner()
+    for args in (["summarize", "--json"], ["stats", "--json"], ["whatif", "--json"]):
+        res = runner.invoke(app, [args[0], str(run_dir), *args[1:], "--steps", "100-109", "--no-cache"])
+        assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["diff", str(run_dir), str(run_dir), "--steps", "100-109", "--json"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["summarize", str(run_dir), "--steps", "9-3"])
+    assert res.exit_code == 2 and "--steps" in res.output and "Traceback" not in res.output
+
+
+def test_an_enclosing_span_that_ends_far_from_the_tail_is_found(tmp_path: Path) -> None:
+    p = Proc(rank=0, world_size=1)
+    p.start("train")  # no step: encloses steps 0..199, ends far before the tail
+    p.steps(range(200))
+    p.end()
+    p.steps(range(200, 400))
+    p.shutdown()
+    write_run(tmp_path, [p], lines_per_segment=900)
+    pf = find_process_files(tmp_path)[0]
+    plan = window.plan(pf, 100, 104)
+    assert plan is not None and len(window.find_ends(pf, plan, [p.lines[1].split('"span_id":"')[1][:16]])) == 1
+    win = list(iter_processes(tmp_path, Reader(), steps=(100, 104)))
+    full = read_process(pf, 0, Reader(), keep=True)
+    keep_steps(full, 100, 104)
+    assert _spans(win) == _spans([full])
+    train = [s for s in _spans(win) if s[1] == "train"]
+    assert len(train) == 1 and train[0][6] == "ok" and train[0][5] is not None
