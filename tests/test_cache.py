@@ -1,0 +1,198 @@
+"""The read cache (otel_train/analysis/reading/cache.py) is never served stale, and never fails a read.
+
+Each test reads a run (filling the cache), changes its files the way the case says, and checks that
+the next read equals a read without the cache, and whether the entry was served, extended or missed.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from analysis_fixtures import Proc, write_run
+from otel_train import schema
+from otel_train.analysis.reading import cache as C
+from otel_train.analysis.records import find_process_files
+from otel_train.analysis.spans import Run, load_run
+from otel_train.cli import app
+
+
+def _run(tmp_path: Path, n: int = 30, *, segment: int | None = None) -> list[Proc]:
+    procs = [Proc(rank=r, world_size=2) for r in range(2)]
+    for p in procs:
+        p.steps(range(n))
+        p.shutdown()
+    write_run(tmp_path, procs, lines_per_segment=segment)
+    return procs
+
+
+def _view(run: Run) -> list[tuple]:
+    return [(d.rank, d.records, d.final_step, d.ended_cleanly, d.malformed,
+             {k: (list(v.steps), list(v.durs)) for k, v in d.phases.items()}) for d in run.processes]
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count lookups by outcome across every Cache made."""
+    counts = {"hits": 0, "extended": 0, "misses": 0, "corrupt": 0}
+    real = C.Cache.lookup
+
+    def lookup(self: C.Cache, pf):  # type: ignore[no-untyped-def]
+        before = {k: getattr(self, k) for k in counts}
+        out = real(self, pf)
+        for k in counts:
+            counts[k] += getattr(self, k) - before[k]
+        return out
+
+    monkeypatch.setattr(C.Cache, "lookup", lookup)
+    return counts
+
+
+def _active(tmp_path: Path, rank: int = 0) -> Path:
+    return find_process_files(tmp_path)[rank].paths[-1]
+
+
+def test_second_read_is_served_and_equal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(tmp_path)
+    counts = _counting(monkeypatch)
+    first = load_run(tmp_path)
+    assert (tmp_path / C.CACHE_DIR).is_dir() and counts["misses"] == 2
+    second = load_run(tmp_path)
+    assert counts["hits"] == 2 and _view(second) == _view(first) == _view(load_run(tmp_path, cache=False))
+
+
+def test_an_appended_active_file_is_extended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    procs = _run(tmp_path)
+    load_run(tmp_path)
+    p = procs[0]
+    before = len(p.lines)
+    p.steps(range(30, 40))
+    with _active(tmp_path).open("a") as f:
+        f.write("".join(line + "\n" for line in p.lines[before:]))
+    counts = _counting(monkeypatch)
+    got = load_run(tmp_path)
+    assert counts["extended"] == 1 and counts["hits"] == 1
+    assert _view(got) == _view(load_run(tmp_path, cache=False))
+    assert got.processes[0].final_step == 39
+
+
+@pytest.mark.parametrize("change", ["rewritten", "truncated", "same_size_same_mtime", "replaced", "rotated"])
+def test_a_changed_file_is_never_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    _run(tmp_path)
+    load_run(tmp_path)
+    path = _active(tmp_path)
+    data = path.read_bytes()
+    st = path.stat()
+    if change == "rewritten":  # a different run written over it (longer)
+        path.write_bytes(data.replace(b'"dur_ms":20.0', b'"dur_ms":99.0') + data[-400:].split(b"\n", 1)[1])
+    elif change == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif change == "same_size_same_mtime":  # rewritten in place, size kept and mtime set back
+        path.write_bytes(data.replace(b'"dur_ms":20.0', b'"dur_ms":21.0'))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    elif change == "replaced":  # another file renamed over it, same size and mtime
+        other = path.with_name("tmp-other")
+        other.write_bytes(data.replace(b'"dur_ms":20.0', b'"dur_ms":22.0'))
+        os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(other, path)
+    else:  # rotated by the sink: the active file becomes .1, a new one starts
+        os.rename(path, Path(f"{path}.1"))
+        path.write_bytes(data[-300:].split(b"\n", 1)[1])
+    counts = _counting(monkeypatch)
+    got = load_run(tmp_path)
+    assert _view(got) == _view(load_run(tmp_path, cache=False))
+    if change == "rotated":
+        assert counts["misses"] + counts["extended"] >= 1 and counts["hits"] == 1
+    else:
+        assert counts["misses"] == 1 and counts["hits"] == 1
+
+
+def test_a_corrupt_entry_is_ignored_counted_and_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(tmp_path)
+    want = _view(load_run(tmp_path))
+    entries = sorted((tmp_path / C.CACHE_DIR).glob("*.state"))
+    assert len(entries) == 2
+    entries[0].write_bytes(b"\x80\x05not a pickle at all")
+    counts = _counting(monkeypatch)
+    assert _view(load_run(tmp_path)) == want
+    assert counts["corrupt"] == 1 and counts["hits"] == 1
+    assert _view(load_run(tmp_path)) == want and counts["hits"] == 3  # rebuilt
+
+
+def test_a_symlinked_entry_is_not_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(tmp_path)
+    load_run(tmp_path)
+    entry = sorted((tmp_path / C.CACHE_DIR).glob("*.state"))[0]
+    target = tmp_path / "elsewhere"
+    entry.rename(target)
+    entry.symlink_to(target)
+    counts = _counting(monkeypatch)
+    load_run(tmp_path)
+    assert counts["corrupt"] == 1
+
+
+def test_a_read_only_run_dir_uses_the_user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if os.getuid() == 0:
+        pytest.skip("root writes into a read-only directory")
+    run = tmp_path / "run"
+    _run(run)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    run.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        load_run(run)
+        assert not (run / C.CACHE_DIR).exists()
+        assert list((tmp_path / "xdg" / "otel-train").glob("*/*.state"))
+    finally:
+        run.chmod(0o755)
+
+
+def test_the_user_cache_when_the_run_cache_is_not_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(As root, a read-only directory is writable: a world-writable cache directory stands in for one
+    this user cannot trust.)"""
+    _run(tmp_path / "run")
+    (tmp_path / "run" / C.CACHE_DIR).mkdir(mode=0o777)
+    os.chmod(tmp_path / "run" / C.CACHE_DIR, 0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    load_run(tmp_path / "run")
+    assert not list((tmp_path / "run" / C.CACHE_DIR).iterdir())
+    assert len(list((tmp_path / "xdg" / "otel-train").glob("*/*.state"))) == 2
+
+
+def test_no_cache_neither_reads_nor_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(tmp_path)
+    load_run(tmp_path, cache=False)
+    assert not (tmp_path / C.CACHE_DIR).exists()
+    res = CliRunner().invoke(app, ["summarize", str(tmp_path), "--json", "--no-cache"])
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / C.CACHE_DIR).exists()
+    res = CliRunner().invoke(app, ["stats", str(tmp_path), "--json"])
+    assert res.exit_code == 0 and (tmp_path / C.CACHE_DIR).is_dir()
+
+
+def test_a_torn_last_line_is_not_cached_and_warnings_come_back(tmp_path: Path) -> None:
+    procs = [Proc(rank=0, world_size=1)]
+    procs[0].steps(range(10))
+    write_run(tmp_path, procs, torn_tail=True, garbage={5: b"garbage"})
+    warnings: list[str] = []
+    first = load_run(tmp_path, warn=warnings.append)
+    assert first.malformed_lines == 2 and not list((tmp_path / C.CACHE_DIR).glob("*.state"))
+    logs = tmp_path / schema.STRUCTURED_LOGS_DIR
+    path = next(logs.iterdir())
+    path.write_bytes(path.read_bytes().rsplit(b"\n", 1)[0] + b"\n")  # the torn line dropped: whole lines
+    load_run(tmp_path)
+    warnings.clear()
+    again = load_run(tmp_path, warn=warnings.append)
+    assert again.malformed_lines == 1 and len(warnings) == 1 and "garbage" not in warnings[0]
+
+
+def test_the_size_bound_drops_the_least_recently_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(tmp_path)
+    load_run(tmp_path)
+    entries = sorted((tmp_path / C.CACHE_DIR).glob("*.state"), key=lambda p: p.stat().st_mtime_ns)
+    os.utime(entries[0], ns=(1, 1))
+    C._bound(tmp_path / C.CACHE_DIR, entries[1].stat().st_size)
+    assert not entries[0].exists() and entries[1].exists()
