@@ -12,6 +12,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help and usage errors in click's plain text: typer's rich formatting imports rich and markdown-it
+    # (about 100 ms, two thirds of --help's start-up) and reads help text as rich markup
+    # (docs/benchmarks.md, "Start-up").
+    rich_markup_mode=None,
 )
 
 
