@@ -54,7 +54,8 @@ from otel_train.analysis.findings import (
     CRASH, DESYNC, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
 )
 from otel_train.analysis.records import AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, Warn, head
-from otel_train.analysis.spans import STATUS_OPEN, PhaseSeries, ProcessState, Run, assign_attempts
+from otel_train.analysis.spans import (STATUS_OPEN, PhaseSeries, ProcessState, Run, assign_attempts, choose_run,
+                                       in_run)
 from otel_train.analysis.stacks import clean_stacks
 from otel_train.config import Settings
 from otel_train.phases import STEP
@@ -367,6 +368,9 @@ class LiveRun:
         self._keys: set[tuple[Any, ...]] = set()
         self._active: dict[tuple[Any, ...], tuple[float, dict[str, Any]]] = {}  # hangs and stragglers
         self._pfs: dict[tuple[str, int, str], ProcessFiles] = {}
+        self._run: str | None = None  # the run watched, once known (docs/analysis.md, "Several runs in one directory")
+        self._other_runs: set[tuple[str, int, str]] = set()  # processes of other runs: not followed
+        self._said_runs = False
         self._heads: dict[tuple[str, int, str], Head | None] = {}
         self._hung: set[tuple[str, int]] = set()
         self._run_limits: dict[tuple[str, int], tuple[int, float]] = {}
@@ -383,9 +387,10 @@ class LiveRun:
         """Read what was written since the last poll, update liveness, and return new events."""
         now = self.clock()
         batches = self.tail.poll()
-        new = [pf for pf, _ in batches if pf.key not in self.procs]
+        new = [pf for pf, _ in batches if pf.key not in self.procs and pf.key not in self._other_runs]
         if new:
             self._add(new)
+        batches = [(pf, records) for pf, records in batches if pf.key in self.procs]  # not another run's
         for pf, records in batches:
             self._dirty |= self.procs[pf.key].take(records)
         self._update_skew(batches)
@@ -499,8 +504,12 @@ class LiveRun:
     def _add(self, pfs: list[ProcessFiles]) -> None:
         """Start following processes that appeared (in one go: attempts are numbered over all of them)."""
         for pf in pfs:
-            self._pfs[pf.key] = pf
             self._heads[pf.key] = head(pf)
+        pfs = self._of_run(pfs)
+        if not pfs:
+            return
+        for pf in pfs:
+            self._pfs[pf.key] = pf
         attempts = assign_attempts(self._pfs.values(), {p: self._heads[k] for k, p in self._pfs.items()})
         for key, lp in self.procs.items():  # unnumbered restarts are renumbered by start time
             if lp.state.attempt != attempts[self._pfs[key]]:
@@ -510,6 +519,21 @@ class LiveRun:
             state = ProcessState.of(pf, attempts[pf], meta=self._heads[pf.key])
             self.procs[pf.key] = LiveProcess(state, self.probe.is_local(state.host, state.pid))
         self._dirty = True
+
+    def _of_run(self, pfs: list[ProcessFiles]) -> list[ProcessFiles]:
+        """The new processes of the run watched (docs/analysis.md, "Several runs in one directory"): the
+        one ``--run-id`` names, else the run started last among those present at the first look; the
+        others' files are ignored, and a directory seen holding several runs is said once."""
+        heads = {pf: self._heads[pf.key] for pf in pfs}
+        heads.update({pf: self._heads[key] for key, pf in self._pfs.items()})
+        chosen, note = choose_run(heads, self.tail.path, self._run)
+        self._run = chosen
+        if note is not None and not self._said_runs:
+            self._said_runs = True
+            self.tail.bad.warn(note)
+        mine = [pf for pf in pfs if in_run(self._heads[pf.key], chosen, note)]
+        self._other_runs.update(pf.key for pf in pfs if pf not in mine)
+        return mine
 
     def _update_liveness(self, now: float) -> None:
         for lp in self.procs.values():

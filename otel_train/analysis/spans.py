@@ -788,7 +788,8 @@ def choose_run(heads: dict[ProcessFiles, Head | None], path: str | Path, wanted:
     wanted = wanted if wanted is not None else _chosen_run.get()
     runs: dict[str | None, list[Head | None]] = {}
     for meta in heads.values():
-        runs.setdefault(meta.run_id if meta is not None else None, []).append(meta)
+        if meta is not None:  # a file without a whole record yet goes with the chosen run
+            runs.setdefault(meta.run_id, []).append(meta)
     names = sorted(runs, key=lambda r: (run_started(runs[r]), str(r)))
     if wanted is not None and wanted not in runs:
         held = ", ".join(str(r) for r in names) or "none"
@@ -797,6 +798,11 @@ def choose_run(heads: dict[ProcessFiles, Head | None], path: str | Path, wanted:
     if len(runs) < 2:
         return chosen, None
     return chosen, f"run {chosen} ({len(runs)} runs in {path}; --run-id to pick another)"
+
+
+def in_run(meta: Head | None, chosen: str | None, note: str | None) -> bool:
+    """Whether a process (its head) belongs to the chosen run; every one does when there is one run."""
+    return note is None or meta is None or meta.run_id == chosen
 
 
 def process_order(path: str | Path, ranks: set[int] | None = None, warn: Warn = warn_to_stderr
@@ -811,8 +817,7 @@ def process_order(path: str | Path, ranks: set[int] | None = None, warn: Warn = 
     chosen, note = choose_run(heads, path)
     if note is not None:
         warn(note)
-    pfs = [pf for pf in found if (ranks is None or pf.rank in ranks)
-           and (note is None or (heads[pf].run_id if heads[pf] is not None else None) == chosen)]
+    pfs = [pf for pf in found if (ranks is None or pf.rank in ranks) and in_run(heads[pf], chosen, note)]
     attempts = assign_attempts(pfs, heads)
     pfs.sort(key=lambda pf: (pf.rank, attempts[pf], pf.source))
     return [(pf, attempts[pf], heads[pf]) for pf in pfs]

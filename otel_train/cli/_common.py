@@ -52,6 +52,17 @@ def stderr_is_terminal() -> bool:
     return maybe and err_console().is_terminal
 
 
+RUN_ID_HELP = "Analyse the run with this id (default: the one started last, when the directory holds several)."
+
+
+def select_run(run_id: str | None) -> None:
+    """``--run-id``: the run every read of this command analyses (docs/analysis.md, "Several runs in one
+    directory"); None: the run started last."""
+    from otel_train.analysis.spans import use_run
+
+    use_run(run_id)
+
+
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     """Print ``error: message`` as one line on stderr and exit with ``code``."""
     err_console().print(f"error: {printable(' '.join(message.split()))}", markup=False)

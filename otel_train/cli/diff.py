@@ -9,7 +9,7 @@ import typer
 
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import cli_errors, fmt_ms, load, print_json
+from otel_train.cli._common import RUN_ID_HELP, cli_errors, fmt_ms, load, print_json, select_run
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
@@ -25,6 +25,7 @@ def diff(
     path_a: Path = typer.Argument(..., help="Run A (the baseline): run directory or its structured_logs/."),
     path_b: Path = typer.Argument(..., help="Run B (compared against A)."),
     as_json: bool = typer.Option(False, "--json", help="Print the comparison as one JSON object."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", metavar="ID", help=RUN_ID_HELP),
     max_p: float = typer.Option(DEFAULT_MAX_P, "--max-p", min=0.0, max=1.0,
                                 help="A change is significant below this Mann-Whitney p-value."),
     min_pct: float = typer.Option(DEFAULT_MIN_PCT, "--min-pct", min=0.0, help="... and at least this % of A's median"),
@@ -36,6 +37,7 @@ def diff(
     """Did B get slower? p50/p95 per phase and per rank x phase in both runs, the change and its
     significance; regressions and improvements that are significant and big enough."""
     with cli_errors():
+        select_run(run_id)
         from otel_train.analysis.diff import Thresholds, diff_runs
 
         a = load(path_a, "reading A", steps=steps, cache=not no_cache)

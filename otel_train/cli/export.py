@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from otel_train.cli._app import app
-from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
+from otel_train.cli._common import RUN_ID_HELP, byte_progress, cli_errors, fail, note_malformed, select_run, warn
 
 
 def parse_ranks(text: str) -> set[int]:
@@ -51,6 +51,7 @@ def export(
         help="chrome (JSON), perfetto (protobuf, for big runs) or otlp-json (Jaeger UI: Upload JSON).",
     ),
     ranks: Optional[str] = typer.Option(None, "--ranks", help="Only these ranks, e.g. 0,3-5."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", metavar="ID", help=RUN_ID_HELP),
     steps: Optional[str] = typer.Option(None, "--steps", help="Only these steps (inclusive), e.g. 100-200."),
     fr: Optional[Path] = typer.Option(
         None, "--fr",
@@ -65,6 +66,7 @@ def export(
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
+        select_run(run_id)
         from otel_train.analysis.export import FORMATS, export as export_run  # here: start-up stays small
         from otel_train.analysis.records import Reader
 

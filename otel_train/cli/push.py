@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from otel_train.cli._app import app
-from otel_train.cli._common import byte_progress, cli_errors, fail, note_malformed, warn
+from otel_train.cli._common import RUN_ID_HELP, byte_progress, cli_errors, fail, note_malformed, select_run, warn
 
 DEFAULT_BATCH_SPANS = 512  # otel_train.analysis.push.DEFAULT_BATCH_SPANS, without importing the SDK at startup
 
@@ -47,6 +47,7 @@ def push(
         None, "--service-name", help="service.name of the pushed spans. Default: OTEL_SERVICE_NAME / "
         "OTEL_RESOURCE_ATTRIBUTES, else otel-train."),
     batch_spans: int = typer.Option(DEFAULT_BATCH_SPANS, "--batch-spans", min=1, help="Spans per request."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", metavar="ID", help=RUN_ID_HELP),
     timeout_s: Optional[float] = typer.Option(
         None, "--timeout", min=0.1, help="Seconds one request may take, the SDK's retries included. "
         "Default: OTEL_EXPORTER_OTLP_TIMEOUT, else 10."),
@@ -64,6 +65,7 @@ def push(
     other failure (one line naming the endpoint).
     """
     with cli_errors():
+        select_run(run_id)
         from otel_train.analysis.records import Reader, TraceReadError  # here: start-up stays small
 
         if idle_exit is not None and not follow_:

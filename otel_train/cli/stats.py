@@ -10,7 +10,7 @@ import typer
 
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import cli_errors, fmt_ms, load, print_json, warn
+from otel_train.cli._common import RUN_ID_HELP, cli_errors, fmt_ms, load, print_json, select_run, warn
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
@@ -22,6 +22,7 @@ SLOWEST_STEPS_SHOWN = 10
 def stats(
     path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
     as_json: bool = typer.Option(False, "--json", help="Print all statistics as one JSON object."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", metavar="ID", help=RUN_ID_HELP),
     csv_file: Optional[Path] = typer.Option(
         None, "--csv", help="Also write the per-step, per-rank breakdown (with idle time) to this CSV file."
     ),
@@ -31,6 +32,7 @@ def stats(
 ) -> None:
     """Per phase x rank timings, per-step breakdown with idle time, straggler scores vs. peers."""
     with cli_errors():
+        select_run(run_id)
         from otel_train.analysis.stats import compute_stats
 
         result = compute_stats(load(path, steps=steps, cache=not no_cache))

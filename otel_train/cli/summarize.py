@@ -10,7 +10,7 @@ import typer
 
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import cli_errors, comm_line, fmt_ms, load, print_json, warn
+from otel_train.cli._common import RUN_ID_HELP, cli_errors, comm_line, fmt_ms, load, print_json, select_run, warn
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # rich and the analysis are imported where they are used: sta
 def summarize(
     path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", metavar="ID", help=RUN_ID_HELP),
     fast: bool = typer.Option(
         False, "--fast",
         help="Read only each file's tail: where every rank stopped and the hang/crash/restart findings, "
@@ -40,6 +41,7 @@ def summarize(
 ) -> None:
     """Which rank stopped where, per-phase timings, and findings (hang, crash, desync, error, straggler, restart)."""
     with cli_errors():
+        select_run(run_id)
         if fr is not None and not fr.exists():
             warn(f"warning: --fr {fr}: no such file or directory; summarizing without Flight Recorder dumps")
         if fast:

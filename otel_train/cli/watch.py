@@ -14,7 +14,7 @@ import typer
 from otel_train.schema import STRUCTURED_LOGS_DIR
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console, json_safe, printable
-from otel_train.cli._common import cli_errors, comm_line, fail, note_malformed, warn
+from otel_train.cli._common import RUN_ID_HELP, cli_errors, comm_line, fail, note_malformed, select_run, warn
 
 if TYPE_CHECKING:  # rich, msgspec and the analysis are imported where they are used: start-up stays small
     from rich.console import Group
@@ -34,6 +34,7 @@ FINDING_KINDS = ("hang", "crash", "error", "straggler", "restart", "desync", "cl
 def watch(
     path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory (may not exist yet)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON lines (finding, resolved, end) instead of a table."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", metavar="ID", help=RUN_ID_HELP),
     exit_on: str = typer.Option("", "--exit-on", metavar="KIND,…",
                                 help=f"Exit 3 right after a finding of these kinds ({', '.join(FINDING_KINDS)})."),
     timeout: float = typer.Option(0.0, "--timeout", min=0.0, help="Stop after this many seconds (exit 0); 0: never."),
@@ -52,6 +53,7 @@ def watch(
 ) -> None:
     """Follow a run as it is written: a live table, findings (hang, crash, error, straggler, restart) as they happen."""
     with cli_errors():
+        select_run(run_id)
         from otel_train.analysis.live import LiveRun
         from otel_train.analysis.records import TraceReadError
         from otel_train.analysis.summary import FR_DIR, read_fr

@@ -9,7 +9,7 @@ import typer
 
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import cli_errors, fail, fmt_ms, load, print_json, warn
+from otel_train.cli._common import RUN_ID_HELP, cli_errors, fail, fmt_ms, load, print_json, select_run, warn
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
@@ -27,6 +27,7 @@ MIN_PCT = 1.0
 def whatif(
     path: Path = typer.Argument(..., help="Run directory or its structured_logs/ directory."),
     as_json: bool = typer.Option(False, "--json", help="Print the answer as one JSON object."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", metavar="ID", help=RUN_ID_HELP),
     sync: str = typer.Option(",".join(SYNC_PHASES), "--sync", metavar="PHASE,…",
                              help="Phases that end with a collective (data parallel: backward's all-reduce)."),
     no_align: bool = typer.Option(False, "--no-align",
@@ -40,6 +41,9 @@ def whatif(
     """How much faster each step would be with each rank, and each phase, made typical (replayed
     through the synchronisation the spans show: every rank waits for the slowest at each collective)."""
     with cli_errors():
+        if method is not None and method not in METHODS:
+            fail(f"--method {method!r}: use peers or typical", 2)
+        select_run(run_id)
         from otel_train.analysis.whatif import whatif as whatif_run
 
         run = load(path, steps=steps, cache=not no_cache)
@@ -79,6 +83,11 @@ def _clock_line(run: Any, out: Console) -> None:
                   "shifted so its ranks leave the collectives with the others at the median", markup=False)
 
 
+def _slowdown_text(slowdown: float | None, digits: int) -> str:
+    """A slowdown as ``1.23x``; ``-`` where the model gives none (an ideal step of zero or less)."""
+    return "-" if slowdown is None else f"{slowdown:.{digits}f}x"
+
+
 def _pct(row: dict[str, Any]) -> str:
     return f"{row['cost_pct']:.1f} %"
 
@@ -94,7 +103,7 @@ def _render(result: dict[str, Any], out: Console) -> None:
     out.print(
         f"What-if over {result['steps']} steps (collective: {', '.join(result['sync'])}): mean step "
         f"{fmt_ms(ms['actual'])} ms (measured {fmt_ms(ms['measured'])} ms); with every rank and phase "
-        f"typical {fmt_ms(ms['ideal'])} ms, a slowdown of {result['slowdown']:.2f}x"
+        f"typical {fmt_ms(ms['ideal'])} ms, a slowdown of {_slowdown_text(result['slowdown'], 2)}"
     )
     pairs = [r for i, r in enumerate(result["by_rank_phase"]) if r["cost_ms"] > 0 and (i == 0 or r["cost_pct"] >= MIN_PCT)]
     if pairs:
@@ -111,7 +120,7 @@ def _render(result: dict[str, Any], out: Console) -> None:
             table.add_column(col, justify="left" if col == label else "right")
         for r in result[key][:SHOWN]:
             name = str(r[label]) + (" (collective)" if r.get("collective") else "")
-            table.add_row(name, f"{r['slowdown']:.3f}x", _pct(r), fmt_ms(r["cost_ms"]))
+            table.add_row(name, _slowdown_text(r["slowdown"], 3), _pct(r), fmt_ms(r["cost_ms"]))
         out.print(table)
     out.print("collective: only its own time is made typical; the waiting in it is charged to the rank and "
               "phase that caused it")
