@@ -1,4 +1,5 @@
-"""``otel-train whatif PATH [--json] [--plot FILE]``: what each rank's and each phase's slowness costs per step."""
+"""``otel-train whatif PATH [--json] [--method peers|typical] [--plot FILE]``: what each rank's, phase's and
+mesh index's slowness costs per step."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ SYNC_PHASES = ("backward",)
 """otel_train.analysis.whatif.SYNC_PHASES, the --sync default, without importing the analysis at start-up
 (tests/test_cli_imports.py checks that the two agree)."""
 
+METHODS = ("peers", "typical")
+"""otel_train.analysis.whatif.METHODS (default: typical with an otel_train.mesh, else peers)."""
 SHOWN = 10
 MIN_PCT = 1.0
 """(rank, phase) pairs that cost less than this % of a step are left out of the text (not of --json)."""
@@ -33,7 +36,12 @@ def whatif(
     no_align: bool = typer.Option(False, "--no-align",
                                   help="Compare hosts on their raw clocks, not the estimate (docs/clock.md)."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
-                                        help="Also draw the slowdown heatmap, rank x phase, as PNG or SVG (by suffix)."),
+                                        help="Also draw the slowdown heatmap as PNG or SVG (by suffix): data-parallel "
+                                             "rank x pipeline stage with a mesh, else rank x phase."),
+    method: Optional[str] = typer.Option(None, "--method", metavar="peers|typical",
+                                         help="peers: each rank made like its peers at the same step; typical "
+                                              "(OSDI '25): every op at its typical duration. Default: typical "
+                                              "with an otel_train.mesh, else peers."),
     steps: Optional[str] = typer.Option(None, "--steps", metavar="A-B",
                                         help="Only steps A..B (inclusive), read at the window's cost."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither use nor fill the run's read cache."),
@@ -48,7 +56,7 @@ def whatif(
 
         run = load(path, steps=steps, cache=not no_cache)
         run.align = not no_align
-        result = whatif_run(run, sync=[s.strip() for s in sync.split(",") if s.strip()])
+        result = whatif_run(run, sync=[s.strip() for s in sync.split(",") if s.strip()], method=method)
         if plot is not None:
             _plot(result, plot)
         if as_json:
@@ -95,6 +103,9 @@ def _pct(row: dict[str, Any]) -> str:
 def _render(result: dict[str, Any], out: Console) -> None:
     from rich.table import Table
 
+    if result.get("method") == "typical":
+        _render_typical(result, out)
+        return
     if not result["steps"]:
         out.print(f"What-if: no steps to replay: it needs two or more ranks that share steps with the collective "
                   f"phase {', '.join(result['sync'])} (--sync names others).")
@@ -124,3 +135,43 @@ def _render(result: dict[str, Any], out: Console) -> None:
         out.print(table)
     out.print("collective: only its own time is made typical; the waiting in it is charged to the rank and "
               "phase that caused it")
+
+
+def _times(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.3f}x"
+
+
+def _share(x: Any) -> str:
+    return "n/a" if x is None else f"{100.0 * x:.0f} %"
+
+
+def _render_typical(result: dict[str, Any], out: Console) -> None:
+    """The 3-D table: S, each mesh dim's indices, the shares, the top ranks and phases."""
+    from rich.table import Table
+
+    if not result["steps"]:
+        out.print("What-if (typical): no steps to replay: it needs two steps or more with ops on some rank.")
+        return
+    ms, shares = result["step_ms"], result["shares"]
+    out.print(f"What-if (typical: every op at its typical duration, after OSDI '25) over {result['steps']} steps: "
+              f"mean step {fmt_ms(ms['actual'])} ms (measured {fmt_ms(ms['measured'])} ms), ideal "
+              f"{fmt_ms(ms['ideal'])} ms: slowdown S = {_times(result['slowdown'])}")
+    workers = ", ".join(str(r) for r in result.get("workers", []))
+    out.print(f"Share of the slowdown explained by the last stage: {_share(shares['last_stage'])}; by the slowest "
+              f"3 % of workers (rank {workers or 'n/a'}): {_share(shares['worker'])}")
+    table = Table(title="By mesh index: only its ranks as measured, all else typical", title_justify="left")
+    for col in ("dim", "index", "slowdown", "ms/step over ideal"):
+        table.add_column(col, justify="left" if col == "dim" else "right")
+    for dim, rows in result["by_dim"].items():
+        for r in sorted(rows, key=lambda r: -r["slowdown"])[:SHOWN]:
+            table.add_row(str(dim), str(r["index"]), _times(r["slowdown"]), fmt_ms(r["cost_ms"]))
+    if result["by_dim"]:
+        out.print(table)
+    for key, label in (("by_rank", "rank"), ("by_phase", "phase")):
+        table = Table(title=f"Top {label}s: only that {label} as measured, all else typical", title_justify="left")
+        for col in (label, "slowdown", "ms/step over ideal"):
+            table.add_column(col, justify="left" if col == label else "right")
+        for r in result[key][:SHOWN]:
+            name = str(r[label]) + (" (collective)" if r.get("collective") else "")
+            table.add_row(name, _times(r["slowdown"]), fmt_ms(r["cost_ms"]))
+        out.print(table)
