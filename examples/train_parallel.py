@@ -18,6 +18,9 @@ Every mesh comes from ``init_device_mesh`` after ``ot.init``: otel-train declare
 Faults:
     --fault slow-stage --fault-rank 1 --slow-ms 100   rank 1 is 100 ms slower in every forward (each
                                                      microbatch, in pp): the last to arrive everywhere
+    --fault slow-stage --fault-stage 1 --slow-ms 10   pp: every rank of pipeline stage 1 (both of its
+                                                     data-parallel replicas) is 10 ms slower in every
+                                                     forward (stage imbalance); --fault-rank is ignored
     --fault stop-stage --fault-rank 1 --fault-step 2  rank 1 stops in the middle of step 2 (it sleeps in
                                                      the forward of microbatch 1 until it is killed): its
                                                      peers wait in send/recv until --timeout-s ends the run
@@ -56,8 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=30.0, help="collective timeout (ends a hang)")
     p.add_argument("--fault", choices=("slow-stage", "stop-stage"))
     p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-stage", type=int, help="pp, slow-stage: slow every rank of this stage instead")
     p.add_argument("--fault-step", type=int, default=2)
     p.add_argument("--slow-ms", type=float, default=100.0)
+    p.add_argument("--gpu-wait-ms", type=float, default=0.0,
+                   help="pp: every microbatch's forward also waits this long without using the CPU (its backward "
+                        "twice as long), as a stage waits on a GPU: steady step times on a busy CPU (tests, demo)")
     p.add_argument("--no-trace", action="store_true", help="run without otel-train")
     return p.parse_args(argv)
 
@@ -67,10 +74,18 @@ class Faults:
 
     def __init__(self, args: argparse.Namespace, rank: int) -> None:
         self.args, self.rank, self.step, self.forwards = args, rank, -1, 0
+        self.stage: int | None = None  # this rank's pipeline stage (pp mode)
+
+    def hit(self) -> bool:
+        """Whether this rank is the one the fault is injected in (or one of its stage's, --fault-stage)."""
+        a = self.args
+        if a.fault_stage is not None and a.fault == "slow-stage":
+            return self.stage == a.fault_stage
+        return a.fault_rank == self.rank
 
     def __call__(self, module: nn.Module, inputs: Any) -> None:
         a = self.args
-        if a.fault_rank != self.rank:
+        if not self.hit():
             return
         if a.fault == "slow-stage":
             time.sleep(a.slow_ms / 1000.0)
@@ -80,6 +95,32 @@ class Faults:
                 log.warning("injected fault: rank %d stops at step %d", self.rank, self.step)
                 time.sleep(3 * a.timeout_s + 30)  # its peers time out first; the launcher then stops it
                 os._exit(1)
+
+
+class _DeviceWait(torch.autograd.Function):
+    """Waits ``ms`` in forward and ``2 * ms`` in backward, off the CPU (a sleep), like a stage on a GPU."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ms: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.ms = ms
+        time.sleep(ms / 1000.0)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        time.sleep(2 * ctx.ms / 1000.0)
+        return grad, None
+
+
+class DeviceWait(nn.Module):
+    """A layer that adds :class:`_DeviceWait`'s time to every forward and backward through it."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms = ms
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _DeviceWait.apply(x, self.ms) if self.ms > 0 else x
 
 
 def mlp(*sizes: int) -> nn.Sequential:
@@ -146,10 +187,12 @@ def run_pp(args: argparse.Namespace, faults: Faults) -> None:
         raise SystemExit("--mode pp needs 4 ranks (2 stages x 2 data-parallel)")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_coordinate()
+    faults.stage = pp_rank
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     torch.manual_seed(0)
     full = [mlp(FEATURES, HIDDEN, HIDDEN), mlp(HIDDEN, HIDDEN, CLASSES)]
-    module = full[pp_rank]
+    # The wait goes last: its output needs a gradient on both stages, so its backward runs on both.
+    module = nn.Sequential(full[pp_rank], DeviceWait(args.gpu_wait_ms)) if args.gpu_wait_ms else full[pp_rank]
     module.register_forward_pre_hook(faults)
     stage = PipelineStage(module, stage_index=pp_rank, num_stages=2, device=torch.device("cpu"), group=pp_group)
     schedule_type = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
