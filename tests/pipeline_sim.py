@@ -30,12 +30,14 @@ imbalance), the slow link's pair (sorted), or the slow collective's span name (`
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
-from analysis_fixtures import Proc, write_run
+from analysis_fixtures import Proc
 from comm_sim import comm_attrs
 
 from otel_train import schema
@@ -159,6 +161,24 @@ class Truth:
     top: Any
     step_ms: list[float] = field(default_factory=list)
     clean_step_ms: list[float] = field(default_factory=list)
+    plan: Plan | None = field(default=None, repr=False)
+    zero: bool = False
+
+    def definition(self, steps: Iterable[int] | None = None) -> float:
+        """S as the contract defines the ``typical`` ideal, computed exactly in the simulator: every
+        compute op at the mean of its name over all ranks and steps, every comm op at its nominal
+        (median) transfer. What an exact implementation would answer: its distance from
+        :attr:`slowdown` is the definition's, not the implementation's."""
+        assert self.plan is not None
+        ideal = run_steps(TypicalPlan(self.plan), make_groups(self.layout), False, self.zero)
+        keep = sorted({int(k) for k in steps}) if steps is not None else list(range(self.steps))
+        return float(np.mean([self.step_ms[k] for k in keep]) / np.mean([ideal[k] for k in keep]))
+
+    def over(self, steps: Iterable[int]) -> float:
+        """The true slowdown over some of the steps (e.g. those a what-if could time: the first step
+        of a window only anchors the next)."""
+        keep = sorted({int(k) for k in steps})
+        return float(np.mean([self.step_ms[k] for k in keep]) / np.mean([self.clean_step_ms[k] for k in keep]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,8 +264,10 @@ class Plan:
             lengths = raw / raw.mean(axis=(1, 2), keepdims=True)
         self.lengths = lengths
         picks = np.random.default_rng([seed, 2])
-        n_slow = max(1, round((cause.fraction if cause else 0.0) * steps))
-        self.slow_steps = set(picks.choice(steps, size=min(n_slow, steps), replace=False).tolist())
+        # Never step 0 alone: a what-if times a step from the end of the one before (step 0 anchors).
+        later = max(steps - 1, 1)
+        n_slow = max(1, round((cause.fraction if cause else 0.0) * later))
+        self.slow_steps = set((1 + picks.choice(later, size=min(n_slow, later), replace=False)).tolist())
         self.slow_rank = cause.rank if cause and cause.rank is not None else int(picks.integers(layout.world))
         self.slow_pair = self._pair(picks) if cause and cause.kind == "link" else None
 
@@ -265,10 +287,10 @@ class Plan:
         lo, c = self.layout, self.costs
         dp_i, pp_i, _ = lo.coords(rank)
         ms = (c.forward_ms if kind == "F" else c.backward_ms) / lo.chunks
-        ms *= self.jitter[rank, step, unit]
+        ms *= float(self.jitter[rank, step, unit])
         cause = self.active(clean)
         if cause is None or cause.kind == "seqlen":
-            return ms * (self.lengths[step, dp_i, mb] if cause else 1.0)
+            return ms * (float(self.lengths[step, dp_i, mb]) if cause else 1.0)
         if cause.kind == "worker" and rank == self.slow_rank:
             return ms * cause.factor
         if cause.kind == "last_stage":
@@ -284,7 +306,7 @@ class Plan:
         return ms * (1.0 + (cause.factor - 1.0) / self.layout.virtual)
 
     def optimizer(self, rank: int, step: int, clean: bool) -> float:
-        ms = self.costs.optimizer_ms * self.jitter[rank, step, -1]
+        ms = self.costs.optimizer_ms * float(self.jitter[rank, step, -1])
         cause = self.active(clean)
         return ms * cause.factor if cause and cause.kind == "worker" and rank == self.slow_rank else ms
 
@@ -301,17 +323,46 @@ class Plan:
         return ms
 
 
-def build_program(plan: Plan, groups: Groups, rank: int, clean: bool, zero: bool) -> list[tuple]:
-    """Rank ``rank``'s ops for every step: ("step", k), ("open", name, attrs), ("work", ms), ("close",),
+class TypicalPlan(Plan):
+    """A plan's job with every op made typical the contract's way (see :meth:`Truth.definition`)."""
+
+    def __init__(self, plan: Plan) -> None:  # noqa: D107 - shares the plan's draws
+        self.__dict__.update(plan.__dict__)
+        lo, sums = plan.layout, {"F": [], "B": []}
+        for rank in range(lo.world):
+            units = schedule_units(lo, lo.coords(rank)[1])
+            for step in range(plan.steps):
+                for u, (kind, mb, chunk) in enumerate(units):
+                    sums[kind].append(plan.compute(rank, step, u, kind, mb, chunk, False))
+        self.means = {k: float(np.mean(v)) for k, v in sums.items()}
+        self.opt_mean = float(np.mean([plan.optimizer(r, s, False) for r in range(lo.world)
+                                       for s in range(plan.steps)]))
+
+    def compute(self, rank: int, step: int, unit: int, kind: str, mb: int, chunk: int, clean: bool) -> float:
+        return self.means[kind]
+
+    def optimizer(self, rank: int, step: int, clean: bool) -> float:
+        return self.opt_mean
+
+    def link(self, src: int, dst: int, clean: bool) -> float:
+        return Plan.link(self, src, dst, True)
+
+    def dp_transfer(self, op: str, step: int, clean: bool, zero: bool) -> float:
+        return Plan.dp_transfer(self, op, step, True, zero)
+
+
+def step_program(plan: Plan, groups: Groups, rank: int, step: int, clean: bool, zero: bool,
+                 seqs: dict[Any, int]) -> list[tuple]:
+    """Rank ``rank``'s ops in ``step``: ("step", k), ("open", name, attrs), ("work", ms), ("close",),
     ("send", peer, group, nbytes, ms, seq, key), ("recv", peer, group, nbytes, ms, seq, key),
-    ("coll", op, group, nbytes, ms, seq)."""
+    ("coll", op, group, nbytes, ms, seq). ``seqs`` (the rank's group and pair counters) carries
+    ``comm.seq`` from one step to the next."""
     lo, c = plan.layout, plan.costs
     dp_i, pp_i, tp_i = lo.coords(rank)
-    seqs: dict[Any, int] = defaultdict(int)
 
     def next_seq(key: Any) -> int:
-        seqs[key] += 1
-        return seqs[key] - 1
+        seqs[key] = seqs.get(key, -1) + 1
+        return seqs[key]
 
     def coll(op: str, gid: str | None, nbytes: int, ms: float) -> list[tuple]:
         return [] if gid is None else [("coll", op, gid, nbytes, ms, next_seq(gid))]
@@ -319,41 +370,43 @@ def build_program(plan: Plan, groups: Groups, rank: int, clean: bool, zero: bool
     def neighbour(vs: int) -> int:
         return lo.rank(dp_i, vs % lo.pp, tp_i)
 
-    prog: list[tuple] = []
-    for step in range(plan.steps):
-        prog.append(("step", step))
-        for u, (kind, mb, chunk) in enumerate(schedule_units(lo, pp_i)):
-            vs = chunk * lo.pp + pp_i
-            src = vs - 1 if kind == "F" else vs + 1  # where the input comes from
-            dst = vs + 1 if kind == "F" else vs - 1  # where the output goes
-            key = (kind, mb, vs)
-            if 0 <= src < lo.virtual:
-                peer = neighbour(src)
-                prog.append(("recv", peer, groups.pp[rank], c.act_bytes, c.recv_ms, next_seq(("r", peer)), key))
-            ms = plan.compute(rank, step, u, kind, mb, chunk, clean)
-            ms = plan.balanced(ms) if clean else ms
-            attrs = {schema.ATTR_MICROBATCH: mb, "stage": vs}
-            if lo.chunks > 1:
-                attrs[schema.ATTR_CHUNK] = chunk
-            prog.append(("open", FORWARD if kind == "F" else BACKWARD, attrs))
-            segments = c.tp_segments if lo.tp > 1 else 1
-            for _ in range(segments):
-                prog.append(("work", ms / segments))
-                prog += coll("all_reduce", groups.tp.get(rank), c.act_bytes, c.tp_ms)
-            prog.append(("close",))
-            if 0 <= dst < lo.virtual:
-                peer = neighbour(dst)
-                sent = (kind, mb, dst)
-                prog.append(("send", peer, groups.pp[rank], c.act_bytes, plan.link(rank, peer, clean),
-                             next_seq(("s", peer)), sent))
-        dp_gid = groups.dp.get(rank)
-        first = "reduce_scatter" if zero else "all_reduce"
-        prog += coll(first, dp_gid, c.grad_bytes, plan.dp_transfer(first, step, clean, zero))
-        prog += [("open", OPTIMIZER, {}), ("work", plan.optimizer(rank, step, clean)), ("close",)]
-        if zero:
-            prog += coll("all_gather", dp_gid, c.grad_bytes, plan.dp_transfer("all_gather", step, clean, zero))
+    prog: list[tuple] = [("step", step)]
+    for u, (kind, mb, chunk) in enumerate(schedule_units(lo, pp_i)):
+        vs = chunk * lo.pp + pp_i
+        src = vs - 1 if kind == "F" else vs + 1  # where the input comes from
+        dst = vs + 1 if kind == "F" else vs - 1  # where the output goes
+        if 0 <= src < lo.virtual:
+            peer = neighbour(src)
+            prog.append(("recv", peer, groups.pp[rank], c.act_bytes, c.recv_ms, next_seq(("r", peer)), (kind, mb, vs)))
+        ms = plan.compute(rank, step, u, kind, mb, chunk, clean)
+        ms = plan.balanced(ms) if clean else ms
+        attrs = {schema.ATTR_MICROBATCH: mb, "stage": vs}
+        if lo.chunks > 1:
+            attrs[schema.ATTR_CHUNK] = chunk
+        prog.append(("open", FORWARD if kind == "F" else BACKWARD, attrs))
+        segments = c.tp_segments if lo.tp > 1 else 1
+        for _ in range(segments):
+            prog.append(("work", ms / segments))
+            prog += coll("all_reduce", groups.tp.get(rank), c.act_bytes, c.tp_ms)
         prog.append(("close",))
+        if 0 <= dst < lo.virtual:
+            peer = neighbour(dst)
+            prog.append(("send", peer, groups.pp[rank], c.act_bytes, plan.link(rank, peer, clean),
+                         next_seq(("s", peer)), (kind, mb, dst)))
+    dp_gid = groups.dp.get(rank)
+    first = "reduce_scatter" if zero else "all_reduce"
+    prog += coll(first, dp_gid, c.grad_bytes, plan.dp_transfer(first, step, clean, zero))
+    prog += [("open", OPTIMIZER, {}), ("work", plan.optimizer(rank, step, clean)), ("close",)]
+    if zero:
+        prog += coll("all_gather", dp_gid, c.grad_bytes, plan.dp_transfer("all_gather", step, clean, zero))
+    prog.append(("close",))
     return prog
+
+
+def build_program(plan: Plan, groups: Groups, rank: int, clean: bool, zero: bool) -> list[tuple]:
+    """Rank ``rank``'s ops for every step (:func:`step_program`, one after another)."""
+    seqs: dict[Any, int] = {}
+    return [op for step in range(plan.steps) for op in step_program(plan, groups, rank, step, clean, zero, seqs)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,10 +421,10 @@ class Simulation:
     """Runs every rank's program against the others'; ``events[rank]`` is its timeline:
     ("step", k, t), ("open", t, name, attrs), ("close", t)."""
 
-    def __init__(self, programs: list[list[tuple]], groups: Groups) -> None:
+    def __init__(self, programs: list[list[tuple]], groups: Groups, start: list[float] | None = None) -> None:
         self.programs, self.groups = programs, groups
         n = len(programs)
-        self.pc, self.now = [0] * n, [0.0] * n
+        self.pc, self.now = [0] * n, list(start) if start is not None else [0.0] * n
         self.events: list[list[tuple]] = [[] for _ in range(n)]
         self.sent: dict[tuple[int, int, int], tuple[float, Any]] = {}
         self.arrivals: dict[tuple[str, int], dict[int, float]] = defaultdict(dict)
@@ -460,35 +513,86 @@ class Simulation:
 # Records
 
 
-def write_records(run_dir: Path, layout: Layout, groups: Groups, sim: Simulation, run_id: str = "run-1") -> Path:
-    """The trace files of a simulated job: what each rank's runtime would have written."""
-    procs = []
-    for rank, events in enumerate(sim.events):
-        p = Proc(rank=rank, world_size=layout.world, host=f"node{rank // RANKS_PER_HOST}")
-        dp_i, pp_i, tp_i = layout.coords(rank)
-        for gid, (desc, ranks) in groups.members.items():
-            if rank in ranks:
-                p.instant(schema.INSTANT_COMM_GROUP, group=gid, desc=desc, ranks=ranks)
-        p.instant(schema.INSTANT_MESH, dims={"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
-                  coords={"pp": pp_i, "dp": dp_i, "tp": tp_i})
-        for e in events:
-            if e[0] == "step":
-                p.now_ms = e[2]
-                p.set_step(e[1])
-                p.start(STEP)
-            elif e[0] == "open":
-                p.now_ms = e[1]
-                p.start(e[2], **e[3])
-            else:
-                p.now_ms = e[1]
-                p.end()
-        p.shutdown()
-        procs.append(p)
-    return write_run(run_dir, procs)
+class _Proc(Proc):
+    """:class:`analysis_fixtures.Proc`, encoding with msgspec (the same compact JSON, faster: benchmarks
+    write millions of records)."""
+
+    def _emit(self, rec: dict) -> None:
+        self.lines.append(_encode(rec).decode())
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+class RecordSink:
+    """The trace files of a simulated job, written step by step (memory holds one step's records):
+    what each rank's runtime would have written, one file per rank, 8 ranks a host."""
+
+    def __init__(self, run_dir: Path, layout: Layout, groups: Groups) -> None:
+        self.logs = Path(run_dir) / schema.STRUCTURED_LOGS_DIR
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.procs = []
+        for rank in range(layout.world):
+            p = _Proc(rank=rank, world_size=layout.world, host=f"node{rank // RANKS_PER_HOST}")
+            dp_i, pp_i, tp_i = layout.coords(rank)
+            for gid, (desc, ranks) in groups.members.items():
+                if rank in ranks:
+                    p.instant(schema.INSTANT_COMM_GROUP, group=gid, desc=desc, ranks=ranks)
+            p.instant(schema.INSTANT_MESH, dims={"pp": layout.pp, "dp": layout.dp, "tp": layout.tp},
+                      coords={"pp": pp_i, "dp": dp_i, "tp": tp_i})
+            self.procs.append(p)
+        self.files = [open(self.logs / p.file_name, "w", encoding="utf-8") for p in self.procs]  # noqa: SIM115
+
+    def write(self, events: list[list[tuple]]) -> None:
+        """One step's timelines (:class:`Simulation` ``events``), as records."""
+        for p, timeline in zip(self.procs, events):
+            for e in timeline:
+                if e[0] == "step":
+                    p.now_ms = e[2]
+                    p.set_step(e[1])
+                    p.start(STEP)
+                elif e[0] == "open":
+                    p.now_ms = e[1]
+                    p.start(e[2], **e[3])
+                else:
+                    p.now_ms = e[1]
+                    p.end()
+        self._flush()
+
+    def close(self) -> Path:
+        for p in self.procs:
+            p.shutdown()
+        self._flush()
+        for f in self.files:
+            f.close()
+        return self.logs
+
+    def _flush(self) -> None:
+        for p, f in zip(self.procs, self.files):
+            if p.lines:
+                f.write("\n".join(p.lines) + "\n")
+                p.lines.clear()
+
+
+def run_steps(plan: Plan, groups: Groups, clean: bool, zero: bool, sink: RecordSink | None = None) -> list[float]:
+    """Simulate the job step by step (every rank starts step k where it ended step k-1; comm.seq
+    carries on), each step's records to ``sink``; returns the job's step times (ms)."""
+    n = plan.layout.world
+    seqs: list[dict[Any, int]] = [{} for _ in range(n)]
+    now, ends = [0.0] * n, [0.0]
+    for step in range(plan.steps):
+        programs = [step_program(plan, groups, r, step, clean, zero, seqs[r]) for r in range(n)]
+        sim = Simulation(programs, groups, now).run()
+        now = sim.now
+        ends.append(max(now))
+        if sink is not None:
+            sink.write(sim.events)
+    return np.diff(ends).tolist()
 
 
 def simulate(layout: Layout, steps: int, costs: Costs, cause: Cause | None, seed: int, *, clean: bool,
              zero: bool = False) -> tuple[Groups, Simulation, Plan]:
+    """The whole job as one :class:`Simulation` (every step's events kept: for small jobs and tests)."""
     plan = Plan(layout, steps, costs, cause, seed)
     groups = make_groups(layout)
     programs = [build_program(plan, groups, r, clean, zero) for r in range(layout.world)]
@@ -513,11 +617,14 @@ def write_job(path: str | Path, *, dp: int = 2, pp: int = 4, tp: int = 2, steps:
     if cz is not None and cz.kind == "collective" and dp < 2:
         raise ValueError("a slow data-parallel collective needs dp >= 2")
     layout = Layout(dp, pp, tp, microbatches, schedule, chunks or (2 if schedule == "interleaved" else 1))
-    costs = costs or Costs()
     zero = (cz is not None and cz.kind == "collective" and cz.op != "all_reduce") if zero is None else zero
-    groups, sim, plan = simulate(layout, steps, costs, cz, seed, clean=False, zero=zero)
-    _, twin, _ = simulate(layout, steps, costs, cz, seed, clean=True, zero=zero)
-    write_records(Path(path), layout, groups, sim)
-    actual, ideal = sim.step_times(), twin.step_times()
+    plan = Plan(layout, steps, costs or Costs(), cz, seed)
+    groups = make_groups(layout)
+    sink = RecordSink(Path(path), layout, groups)
+    try:
+        actual = run_steps(plan, groups, False, zero, sink)
+    finally:
+        sink.close()
+    ideal = run_steps(plan, groups, True, zero)
     mean_a, mean_i = float(np.mean(actual)), float(np.mean(ideal))
-    return Truth(layout, cz, steps, mean_a, mean_i, mean_a / mean_i, truth_top(plan, cz), actual, ideal)
+    return Truth(layout, cz, steps, mean_a, mean_i, mean_a / mean_i, truth_top(plan, cz), actual, ideal, plan, zero)

@@ -37,15 +37,28 @@ MAJORITY = 0.5
 DP_OPS = ("comm.all_reduce", "comm.reduce_scatter", "comm.all_gather")
 P2P_OPS = ("comm.send", "comm.recv")
 
-# (dp, pp, tp, microbatches): 8, 12 and 16 ranks, cycled over the cases; one 64-rank case below.
+# (dp, pp, tp, microbatches): 8, 12 and 16 ranks, rotated so each cause meets every size; one 64-rank case.
 SIZES = ((2, 4, 1, 8), (2, 3, 2, 6), (2, 4, 2, 8))
-CASES = [(schedule, cause, SIZES[i % len(SIZES)], 10 + i)
-         for i, (schedule, cause) in enumerate((s, c) for s in SCHEDULES for c in (None, *CAUSES))]
+CASES = [(schedule, cause, SIZES[(j + k) % len(SIZES)], 10 + 6 * k + j)
+         for k, schedule in enumerate(SCHEDULES) for j, cause in enumerate((None, *CAUSES))]
 BIG = ("1f1b", "worker", (4, 4, 4, 8), 99)
 STEPS = 4
 
-XFAIL: dict[tuple[str, str | None, tuple[int, int, int, int]], str] = {}
-"""Cases the what-if misses after its owner's last commit: (schedule, cause, size) -> why."""
+MEAN_BIAS = ("the typical duration of an op is the mean over all ranks, the slow worker's included: with "
+             "{n} ranks the ideal keeps (1.5 - 1)/{n} of the slowdown in every compute op (the contract's "
+             "definition alone, replayed exactly, gives {oracle}; docs/analysis.md 'Simulator')")
+RECV = ("a recv's transfer (end minus the last arrival) is bimodal with eager sends: 0.32 ms when it waited for "
+        "its send, 0.02 ms when the data was there; the ideal gives every recv the median of the mixture")
+XFAIL: dict[tuple[str, str | None, tuple[int, int, int, int]], str] = {
+    ("gpipe", "worker", (2, 3, 2, 6)): "S 1.221 vs truth 1.292 (-5.5 %): " + MEAN_BIAS.format(n=12, oracle="-3.1 %")
+                                       + "; the rest: " + RECV,
+    ("1f1b", "worker", (2, 4, 2, 8)): "shares.worker 0.0 (named 'everyone', truth rank 9) and S 1.212 vs 1.266 "
+                                      "(-4.3 %): the 3 % of ranks are ranked by min(by_dim.dp, by_dim.pp), which ties "
+                                      "rank 9 with its tensor-parallel sibling 8, and the tie goes to the lower rank; "
+                                      + MEAN_BIAS.format(n=16, oracle="-2.3 %"),
+    ("interleaved", "worker", (2, 4, 1, 8)): "S 1.164 vs truth 1.226 (-5.1 %): " + MEAN_BIAS.format(n=8, oracle="-5.2 %"),
+}
+"""Cases the what-if misses after its owner's last commit (649eb28): (schedule, cause, size) -> why."""
 
 
 def attribution(out: dict[str, Any]) -> Any:
@@ -60,7 +73,7 @@ def attribution(out: dict[str, Any]) -> Any:
         return top_phase
     if top_phase in P2P_OPS:
         return tuple(sorted(r["rank"] for r in ranks[:2]))
-    shares = out["shares"]
+    shares = {k: v or 0.0 for k, v in out["shares"].items()}  # None: nothing to share
     if shares["worker"] >= MAJORITY:
         return ranks[0]["rank"]
     if shares["last_stage"] >= MAJORITY:
@@ -76,16 +89,20 @@ def typical(path: Path) -> dict[str, Any]:
 
 def check(out: dict[str, Any], truth: Truth) -> None:
     """Issue 17's targets for one case, with every number in the message when one is missed."""
-    got, want = out["slowdown"], truth.slowdown
+    steps = [int(k) for k in out["per_step"]]
+    got, want = out["slowdown"], truth.over(steps)
+    actual = float(np.mean([truth.step_ms[k] for k in steps]))
     seen = attribution(out)
     detail = (f"S {got:.4f} vs truth {want:.4f} (actual {out['step_ms']['actual']:.2f} / ideal "
-              f"{out['step_ms']['ideal']:.2f} ms; truth {truth.actual_ms:.2f} / {truth.ideal_ms:.2f}); "
+              f"{out['step_ms']['ideal']:.2f} ms; truth {actual:.2f} / {actual / want:.2f}, steps {steps}; "
+              f"the contract's definition replayed exactly: {truth.definition(steps):.4f}); "
               f"named {seen!r}, truth {truth.top!r}; shares {out['shares']}; "
               f"top ranks {sorted(out['by_rank'], key=lambda r: -r['slowdown'])[:3]}; "
               f"top phases {sorted(out['by_phase'], key=lambda r: -r['slowdown'])[:3]}")
     assert out["method"] == "typical", detail
     assert abs(got / want - 1.0) <= S_TOLERANCE, detail
-    assert out["step_ms"]["actual"] == pytest.approx(truth.actual_ms, rel=S_TOLERANCE), detail
+    assert len(steps) >= STEPS - 1, detail
+    assert out["step_ms"]["actual"] == pytest.approx(actual, rel=1e-3), detail  # its own durations: the run
     if truth.cause is None:
         return
     assert seen == truth.top, detail
@@ -103,8 +120,53 @@ def _param(schedule: str, cause: str | None, size: tuple[int, int, int, int], se
                         id=f"{schedule}-{cause or 'clean'}-dp{dp}pp{pp}tp{tp}")
 
 
+@pytest.mark.parametrize("schedule,cause,size,seed", [_param(*c) for c in [*CASES, BIG]])
+def test_typical_finds_the_injected_cause(tmp_path: Path, schedule: str, cause: str | None,
+                                          size: tuple[int, int, int, int], seed: int) -> None:
+    dp, pp, tp, m = size
+    truth = write_job(tmp_path / "run", dp=dp, pp=pp, tp=tp, steps=STEPS, microbatches=m,
+                      schedule=schedule, cause=cause, seed=seed)
+    check(typical(tmp_path / "run"), truth)
+
+
+TINY_P2P = ("whatif raises ValueError('the dependency graph has a cycle') (graph._levels) when the p2p ops "
+            "last 1 us (link_ms=recv_ms=0.001; 10 us passes since 661d2af): at 1 us timestamps a send, the recv "
+            "after it and the next op touch or overlap, and the graph's edges close a cycle")
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=TINY_P2P)
+def test_typical_survives_microsecond_p2p_ops(tmp_path: Path) -> None:
+    """Back-to-back p2p ops of 1 us (eager sends of small tensors): the records are valid, so the
+    what-if answers, and within the target."""
+    truth = write_job(tmp_path / "run", dp=2, pp=4, tp=2, steps=STEPS, microbatches=8, schedule="1f1b",
+                      cause="link", seed=17, costs=Costs(link_ms=0.001, recv_ms=0.001))
+    out = typical(tmp_path / "run")
+    assert abs(out["slowdown"] / truth.over(int(k) for k in out["per_step"]) - 1.0) <= S_TOLERANCE
+
+
 # ---------------------------------------------------------------------------------------------
 # The simulator itself: the ground truth has to be true
+
+
+def test_the_definition_is_exact_where_the_mean_is_the_truth() -> None:
+    """Replaying the contract's ideal inside the simulator (Truth.definition): without jitter it is the
+    truth exactly for a clean job, a stage imbalance (the mean *is* the balanced stage) and sequence
+    imbalance (lengths average to 1 each step); for one slow worker it is short by the share the
+    worker adds to the mean."""
+    quiet = Costs(jitter=0.0)
+    for cause in (None, "last_stage", "seqlen"):
+        truth = write_job_in_memory(cause, quiet)
+        assert truth.definition() == pytest.approx(truth.slowdown, rel=1e-9), cause
+    worker = write_job_in_memory("worker", quiet)
+    assert worker.definition() < worker.slowdown * 0.97
+
+
+def write_job_in_memory(cause: str | None, costs: Costs) -> Truth:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        return write_job(Path(d), dp=2, pp=4, tp=1, steps=3, microbatches=8, schedule="1f1b", cause=cause,
+                         seed=2, costs=costs)
 
 
 def test_schedules_match_the_textbook_step_time() -> None:
