@@ -46,6 +46,8 @@ UNTRACED = "(untraced)"
 """The phase owning each item's lead: time on a rank that no leaf and no comm op covers."""
 
 Window = tuple[int, int]
+SEND_SLACK_MS = 1e-3
+"""A send that ends within this of its recv's arrival did not wait for it (records keep µs)."""
 
 # Node kinds
 PIECE, ARRIVE, JOIN, END, EXIT = range(5)
@@ -94,6 +96,7 @@ class Graph:
     measured: np.ndarray
     mesh: dict[int, dict[str, tuple[int, int]]] = field(default_factory=dict)
     collective: set[str] = field(default_factory=set)  # the phases of comm ops (or sync spans)
+    kind: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # per node: PIECE, ARRIVE, ...
     plans: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -430,21 +433,30 @@ def joins(flat: Flat) -> Joins:
     ids = np.cumsum(valid) - 1
     of = np.where(valid[inv], ids[inv], -1)
     transfer = flat.o_end - last[inv]
-    waits = (of >= 0) & ~(flat.o_send & (transfer < 0))
+    # A send waits for its recv only if it ended after the recv arrived (else it was eager; a tie is
+    # eager too: two ranks that each send, then receive, would otherwise wait for each other).
+    waits = (of >= 0) & ~(flat.o_send & (transfer <= SEND_SLACK_MS))
     return Joins(of, waits, transfer, lo[valid])
 
 
-def _edges(flat: Flat, jn: Joins, P: int, fixed: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """Edge columns [src, dst, own0, wm0, wi0, own1, wm1, wi1], node kinds and node blocks.
+def _edges(flat: Flat, jn: Joins, P: int, fixed: int
+           ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """Edge columns [src, dst, own0, wm0, wi0, own1, wm1, wi1], node kinds, node blocks, and each
+    item's node.
 
-    Nodes: one per item (a piece's end, a cluster's exit), then each op's arrival, each op's end,
-    each join."""
+    Nodes: one per piece (its end) and per cluster of several ops (its exit), then each op's
+    arrival, each op's end (a one-op cluster's item node), each join."""
     ni, no, nj = flat.i_start.size, flat.o_start.size, jn.block.size
     arrive, end, join = ni + np.arange(no), ni + no + np.arange(no), ni + 2 * no + np.arange(nj)
     rank, item = flat.i_rank.astype(np.int64), np.arange(ni)
+    o_item = flat.o_item
+    single = (flat.i_piece < 0) & (np.bincount(o_item, minlength=ni) == 1)
+    alone = single[o_item]  # ops alone in their cluster
+    node_of = item.copy()
+    node_of[o_item[alone]] = end[alone]
     prev = flat.i_prev
     same = (prev >= 0) & (flat.i_block[np.maximum(prev, 0)] == flat.i_block)
-    from_ = np.where(same, prev, -1 - rank)  # the chain: the previous item, or the rank's boundary
+    from_ = np.where(same, node_of[np.maximum(prev, 0)], -1 - rank)  # the previous item, or the boundary
     lead = np.where(prev >= 0, flat.i_start - flat.i_end[np.maximum(prev, 0)], 0.0)
     ikey = flat.i_name * (1 << 20) + flat.i_piece + 1
     lead_i = _lead_ideal(ikey, lead, prev >= 0)
@@ -452,9 +464,9 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int) -> tuple[list[np.ndarray],
     dur = flat.i_end - flat.i_start
     dur_i = np.zeros(ni)
     dur_i[piece] = group_mean(ikey[piece], dur[piece])
-    o_rank, o_item = flat.o_rank.astype(np.int64), flat.o_item
+    o_rank = flat.o_rank.astype(np.int64)
     o_dur = flat.o_end - flat.o_start
-    w, nw = jn.waits, ~jn.waits
+    w, nw, m = jn.waits, ~jn.waits, jn.of >= 0
     tr_i, du_i = np.zeros(no), np.zeros(no)
     tr_i[w] = group_median(flat.o_tkey[w], jn.transfer[w])
     du_i[nw] = group_median(flat.o_tkey[nw], o_dur[nw])
@@ -470,18 +482,24 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int) -> tuple[list[np.ndarray],
         # an op ends no earlier than its arrival (+ its dur when it waits for no join)
         (arrive, end, o_own, np.where(w, 0.0, o_dur), np.where(w, 0.0, du_i), np.full(no, fixed), np.zeros(no),
          np.zeros(no)),
-        # ... and, waiting, than its join (the last arrival) + its transfer
-        (join[jn.of[w]], end[w], o_own[w], jn.transfer[w], tr_i[w], np.full(int(w.sum()), fixed),
-         np.zeros(int(w.sum())), np.zeros(int(w.sum()))),
+        # ... and, waiting, than its join (the last arrival) + its transfer; an eager send keeps the
+        # edge (the same structure every step, whatever the timing) with a weight that never binds
+        (join[jn.of[m]], end[m], o_own[m], np.where(w[m], jn.transfer[m], -np.inf), np.where(w[m], tr_i[m], -np.inf),
+         np.full(int(m.sum()), fixed), np.zeros(int(m.sum())), np.zeros(int(m.sum()))),
         # a join waits for every member's arrival
         (arrive[jn.of >= 0], join[jn.of[jn.of >= 0]]) + _fixed_zero(int((jn.of >= 0).sum()), fixed),
-        # a cluster ends when its last op ends
-        (end, o_item) + _fixed_zero(no, fixed),
+        # a cluster of several ops ends when its last op ends
+        (end[~alone], o_item[~alone]) + _fixed_zero(int((~alone).sum()), fixed),
     ]
     edges = [np.concatenate([np.asarray(c[k]) for c in cols]) for k in range(8)]
     kinds = np.concatenate([np.where(piece, PIECE, EXIT), np.full(no, ARRIVE), np.full(no, END), np.full(nj, JOIN)])
     blocks = np.concatenate([flat.i_block, flat.i_block[o_item], flat.i_block[o_item], jn.block])
-    return edges, kinds, blocks
+    alive = np.ones(kinds.size, bool)
+    alive[item[single]] = False  # a one-op cluster's node is its op's end
+    renum = np.cumsum(alive) - 1
+    edges[0] = np.where(edges[0] >= 0, renum[np.maximum(edges[0], 0).astype(np.int64)], edges[0])
+    edges[1] = renum[edges[1].astype(np.int64)]
+    return edges, kinds[alive], blocks[alive], renum[node_of]
 
 
 def _fixed_zero(n: int, fixed: int) -> tuple[np.ndarray, ...]:
@@ -520,14 +538,16 @@ def build(group: Sequence[ProcessState], clock: Clock | None = None, window: Win
             flat.o_start, flat.o_end = flat.o_start - shift[orank], flat.o_end - shift[orank]
     jn = joins(flat)
     phases = list(names.phases)
-    edges, _, blocks = _edges(flat, jn, len(phases), len(group) * len(phases))
-    graph = _assemble(flat, edges, blocks, [d.rank for d in group], phases)
+    edges, kinds, blocks, item_node = _edges(flat, jn, len(phases), len(group) * len(phases))
+    graph = _assemble(flat, edges, blocks, item_node, [d.rank for d in group], phases)
+    graph.kind = kinds[np.argsort(blocks, kind="stable")]
     graph.mesh = {i: dict(d.mesh) for i, d in enumerate(group) if d.mesh}
     graph.collective = {phases[int(i)] for i in np.unique(flat.o_name)}
     return graph
 
 
-def _assemble(flat: Flat, edges: list[np.ndarray], blocks: np.ndarray, ranks: list[int], phases: list[str]) -> Graph:
+def _assemble(flat: Flat, edges: list[np.ndarray], blocks: np.ndarray, item_node: np.ndarray, ranks: list[int],
+              phases: list[str]) -> Graph:
     """Nodes sorted by block, edges by their destination's block; each block's exits and measured T."""
     steps, bidx = np.unique(blocks, return_inverse=True)
     nb = steps.size
@@ -545,11 +565,11 @@ def _assemble(flat: Flat, edges: list[np.ndarray], blocks: np.ndarray, ranks: li
     wi = np.stack([edges[4], edges[7]], axis=1)[eo]
     ni = flat.i_start.size
     rank = flat.i_rank.astype(np.int64)
-    ib = bidx[:ni]
+    ib = bidx[item_node]
     last = np.ones(ni, bool)
     last[:-1] = (rank[1:] != rank[:-1]) | (ib[1:] != ib[:-1])
     exits = np.full((nb, len(ranks)), -1, np.int64)
-    exits[ib[last], rank[last]] = new[np.flatnonzero(last)]
+    exits[ib[last], rank[last]] = new[item_node[last]]
     measured = np.full(nb, -np.inf)
     np.maximum.at(measured, ib[last], flat.i_end[last])
     first = np.full(len(ranks), np.nan)
@@ -564,40 +584,51 @@ def _assemble(flat: Flat, edges: list[np.ndarray], blocks: np.ndarray, ranks: li
 
 @dataclass(slots=True)
 class Plan:
-    """One block's evaluation order: edges permuted so that each level's edges are contiguous and
-    sorted by destination; ``levels`` (p0, p1, q0, q1, offsets) per level; local node positions:
-    ranks' boundaries first, then the block's nodes in level order."""
+    """One block's evaluation order. Local node positions: the ranks' boundaries first, then the
+    block's nodes by level, within a level those with one input first; a last row is the padding
+    (-inf). ``levels``: (p0, pm, p1, src, edge, idx, wid) per level: nodes p0..pm take ``V[src] +
+    W[edge]``, nodes pm..p1 the max over their inputs ``V[idx] + W[wid]`` (padded, F inputs a row)."""
 
-    eperm: np.ndarray
-    src: np.ndarray
-    levels: list[tuple[int, int, int, int, np.ndarray]]
+    levels: list[tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
     exits: np.ndarray
     exit_ranks: np.ndarray
+    n: int
+    edges: int
 
 
-def _levels(src: np.ndarray, dst: np.ndarray, n: int) -> np.ndarray:
-    """Each local node's level (longest path from the boundaries, in edges), Kahn's way, a level at a time."""
-    indeg = np.bincount(dst, minlength=n)
+def _levels(src: np.ndarray, dst: np.ndarray, n: int, is_join: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each local node's level (longest path from the boundaries, in edges), Kahn's way, a level at a
+    time; and which edges are kept. Ops that wait for each other in a cycle (only ties on aligned
+    clocks can make one) lose their joins' edges into the cycle: they end as their arrival allows."""
+    keep = np.ones(src.size, bool)
+    indeg = np.bincount(dst, minlength=n + 1)  # node n: where dropped edges lead
     order = np.argsort(src, kind="stable")
     out_dst = dst[order]
     starts = np.searchsorted(src[order], np.arange(n + 1))
     level = np.full(n, -1, np.int64)
-    frontier = np.flatnonzero(indeg == 0)
+    frontier = np.flatnonzero(indeg[:n] == 0)
     lev = 0
-    while frontier.size:
-        level[frontier] = lev
-        counts = starts[frontier + 1] - starts[frontier]
-        total = int(counts.sum())
-        if total == 0:
-            break
-        base = np.repeat(starts[frontier] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-        reached = out_dst[base + np.arange(total)]
-        indeg -= np.bincount(reached, minlength=n)
-        frontier = np.unique(reached[indeg[reached] == 0])
-        lev += 1
-    if (level < 0).any():
-        raise ValueError("the dependency graph has a cycle")  # cannot happen: edges follow measured time
-    return level
+    while True:
+        while frontier.size:
+            level[frontier] = lev
+            counts = starts[frontier + 1] - starts[frontier]
+            base = np.repeat(starts[frontier] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+            reached = out_dst[base + np.arange(int(counts.sum()))]
+            indeg -= np.bincount(reached, minlength=n + 1)
+            frontier = np.unique(reached[(reached < n) & (indeg[reached] == 0)])
+            lev += 1
+        left = level < 0
+        if not left.any():
+            return level, keep
+        cut = keep & left[src] & left[dst] & is_join[src]
+        if not cut.any():
+            raise ValueError("the dependency graph has a cycle")  # cannot happen: only joins wait
+        keep &= ~cut
+        indeg[:n] -= np.bincount(dst[cut], minlength=n)
+        dropped = np.zeros(src.size, bool)
+        dropped[cut] = True
+        out_dst = np.where(dropped[order], n, out_dst)
+        frontier = np.flatnonzero(left & (indeg[:n] == 0))
 
 
 def plan(g: Graph, b: int) -> Plan:
@@ -614,48 +645,90 @@ def plan(g: Graph, b: int) -> Plan:
     if found is not None:
         return found
     n = R + int(n1 - n0)
-    level = _levels(src_l, dst_l, n)
-    perm = np.argsort(level[R:], kind="stable")
+    level, kept = _levels(src_l, dst_l, n, np.concatenate([np.zeros(R, bool), g.kind[n0:n1] == JOIN]))
+    edge = np.flatnonzero(kept)
+    fan = np.bincount(dst_l[edge], minlength=n)
+    perm = np.argsort((level * 2 + (fan > 1))[R:], kind="stable")
     pos = np.arange(n)
     pos[R + perm] = R + np.arange(perm.size)
-    pd = pos[dst_l]
-    eperm = np.argsort(pd, kind="stable")
-    pd = pd[eperm]
-    lv = level[R:][perm]
-    bounds = np.flatnonzero(np.diff(lv, prepend=-1, append=lv.max() + 1 if lv.size else 0)) + R
-    levels = []
-    for p0, p1 in zip(bounds[:-1], bounds[1:]):
-        q0, q1 = np.searchsorted(pd, [p0, p1])
-        offs = np.searchsorted(pd[q0:q1], np.arange(p0, p1))
-        levels.append((int(p0), int(p1), int(q0), int(q1), offs))
-    out = Plan(eperm, pos[src_l][eperm], levels, pos[R + ex[have] - n0], have)
+    pd = pos[dst_l[edge]]
+    eo = np.argsort(pd, kind="stable")
+    edge, pd, ps = edge[eo], pd[eo], pos[src_l[edge[eo]]]
+    key_sorted = (level * 2 + (fan > 1))[R:][perm]
+    heads = np.flatnonzero(np.diff(key_sorted, prepend=-1))
+    ends = np.append(heads[1:], key_sorted.size) + R
+    spans: dict[int, list[int]] = {}  # level -> [p0, pm, p1]
+    for k, h, t in zip(key_sorted[heads].tolist(), (heads + R).tolist(), ends.tolist()):
+        got = spans.setdefault(k // 2, [h, h, t])
+        if k % 2 == 0:
+            got[1] = t
+        got[2] = t
+    levels = [(p0, pm, p1, *_inputs(pd, ps, edge, p0, pm, p1, n, int(e1 - e0)))
+              for _, (p0, pm, p1) in sorted(spans.items())]
+    out = Plan(levels, pos[R + ex[have] - n0], have, n, int(e1 - e0))
     g.plans[key] = out
     return out
+
+
+def _inputs(pd: np.ndarray, ps: np.ndarray, edge: np.ndarray, p0: int, pm: int, p1: int, pad_v: int, pad_w: int
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One level's inputs: (src, edge) of its one-input nodes, padded (idx, wid) of the others."""
+    q0, qm, q1 = np.searchsorted(pd, [p0, pm, p1])
+    d = pd[qm:q1] - pm
+    m = p1 - pm
+    if m == 0:
+        return ps[q0:qm], edge[q0:qm], np.empty((0, 0), np.int64), np.empty((0, 0), np.int64)
+    counts = np.bincount(d, minlength=m)
+    width = int(counts.max()) if m else 0
+    col = np.arange(d.size) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    idx = np.full((m, width), pad_v)
+    wid = np.full((m, width), pad_w)
+    idx[d, col], wid[d, col] = ps[qm:q1], edge[qm:q1]
+    return ps[q0:qm], edge[q0:qm], idx, wid
+
+
+def _weights(g: Graph, keep: np.ndarray, e0: int, n: int) -> np.ndarray:
+    """Edge weights (ms, edges x scenarios, plus a zero padding row): the typical terms, plus
+    ``measured - typical`` where the owner is kept; only edges whose two values differ are looked up."""
+    own, wm, wi = g.own[e0:e0 + n], g.wm[e0:e0 + n], g.wi[e0:e0 + n]
+    W = np.empty((n + 1, keep.shape[1]))
+    W[:-1] = wi.sum(axis=1)[:, None]
+    W[-1] = 0.0
+    with np.errstate(invalid="ignore"):
+        delta = np.where(wm == wi, 0.0, wm - wi)  # -inf (an edge that never binds) on both sides: 0
+    for t in (0, 1):
+        rows = np.flatnonzero(delta[:, t] != 0.0)
+        if rows.size:
+            W[rows] += keep[own[rows, t]] * delta[rows, t:t + 1]
+    return W
 
 
 def simulate(g: Graph, masks: np.ndarray) -> np.ndarray:
     """T (ms, shape scenarios x blocks): each block's latest end of a rank's last op, per scenario.
 
     ``masks[s, owner]`` True: the owner's terms are as measured in scenario s, else typical; the
-    last column (fixed) must be True."""
+    last column (fixed) must be True. Values are node-major (a node's scenarios side by side)."""
     S, R = masks.shape[0], len(g.ranks)
-    bound = np.tile(g.first, (S, 1))
-    T = np.full((S, g.steps.size), np.nan)
+    keep = np.ascontiguousarray(masks.T)
+    bound = np.tile(g.first[:, None], (1, S))
+    T = np.full((g.steps.size, S), np.nan)
     for b in range(g.steps.size):
         p = plan(g, b)
-        e0, e1 = g.edges[b], g.edges[b + 1]
-        own, wm, wi = g.own[e0:e1][p.eperm], g.wm[e0:e1][p.eperm], g.wi[e0:e1][p.eperm]
-        W = np.where(masks[:, own[:, 0]], wm[:, 0], wi[:, 0]) + np.where(masks[:, own[:, 1]], wm[:, 1], wi[:, 1])
-        V = np.empty((S, R + int(g.nodes[b + 1] - g.nodes[b])))
-        V[:, :R] = bound
-        src = p.src
-        for p0, p1, q0, q1, offs in p.levels:
-            V[:, p0:p1] = np.maximum.reduceat(V[:, src[q0:q1]] + W[:, q0:q1], offs, axis=1)
-        vals = V[:, p.exits]
+        e0 = g.edges[b]
+        W = _weights(g, keep, e0, p.edges)
+        V = np.empty((p.n + 1, S))
+        V[:R] = bound
+        V[p.n] = -np.inf
+        for p0, pm, p1, src, edge, idx, wid in p.levels:
+            if pm > p0:
+                V[p0:pm] = V[src] + W[edge]
+            if p1 > pm:
+                V[pm:p1] = (V[idx] + W[wid]).max(axis=1)
+        vals = V[p.exits]
         if vals.size:
-            T[:, b] = vals.max(axis=1)
-        bound[:, p.exit_ranks] = vals
-    return T
+            T[b] = vals.max(axis=0)
+        bound[p.exit_ranks] = vals
+    return T.T
 
 
 def step_times(T: np.ndarray) -> np.ndarray:
