@@ -423,7 +423,8 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
         out.extend(found)
     if graph is not None:
         out = _most_specific(group, out)
-    out = _with_costs(group, out, window, graph.clock if graph is not None else None)
+    out = _with_costs(group, out, window, graph.clock if graph is not None else None,
+                      judge=not _pipelined(group, graph))
     return _with_arrivals(out, arrival_findings(group, graph, window) if graph is not None else [])
 
 
@@ -507,10 +508,20 @@ def _stragglers_in(group: Sequence[ProcessState], table: PeerTable, net: np.ndar
     return out
 
 
+def _pipelined(group: Sequence[ProcessState], graph: CommGraph | None) -> bool:
+    """Whether the group runs a pipeline (a ``pp`` mesh dim of size > 1, or send/recv ops): there the
+    data-parallel what-if model behind a straggler's cost does not hold."""
+    if any(d.mesh.get("pp", (1, 0))[0] > 1 for d in group):
+        return True
+    return graph is not None and bool(graph.p2p)
+
+
 def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], window: Window | None,
-                clock: Clock | None = None) -> list[dict[str, Any]]:
+                clock: Clock | None = None, judge: bool = True) -> list[dict[str, Any]]:
     """Each straggler's cost per step: the step time with that rank's phase made typical (whatif), with
-    hosts on the run's clock estimate when it aligns them (docs/clock.md)."""
+    hosts on the run's clock estimate when it aligns them (docs/clock.md). With ``judge``, a finding
+    whose cost is ~0 is dropped (:func:`_absorbed`); a pipeline's findings are not judged so (the
+    data-parallel model cannot see what a stage's slowness costs: ``whatif --method typical`` can)."""
     if not found:
         return found
     table = sync_table(group, window=window, clock=clock if clock is not None and clock.applied else None)
@@ -522,7 +533,7 @@ def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], wind
     for f in found:
         typical = s.by_rank_phase.get((f["rank"], f["phase"]), s.by_rank[f["rank"]])
         cost = step_cost(actual, float(typical.mean()))
-        if _absorbed(f, cost):
+        if judge and _absorbed(f, cost):
             continue
         f.update(cost)
         f["message"] += (f"; it costs {cost['cost_ms']:.1f} ms of every {actual:.1f} ms step "
