@@ -34,6 +34,7 @@ import numpy as np
 from otel_train import schema
 from otel_train.analysis import graph
 from otel_train.analysis.clock import Clock
+from otel_train.analysis.comm import CommGraph, run_clock
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run
 from otel_train.analysis.stats import columns, peer_medians
 from otel_train.phases import BACKWARD, STEP
@@ -244,11 +245,12 @@ def whatif(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = 
     ``method`` None is ``typical`` for a run with an ``otel_train.mesh``, else ``peers``. ValueError
     for another method."""
     method = method or ("typical" if has_mesh(run) else "peers")
-    if method == "typical":
-        return typical(run, sync, window)
-    if method != "peers":
+    if method not in METHODS:
         raise ValueError(f"whatif method {method!r}: use one of {', '.join(METHODS)}")
-    return peers(run, sync, window)
+    clock = _clock(run)
+    out = (typical if method == "typical" else peers)(run, sync, window, clock)
+    out["clock"] = clock_note(run, clock)
+    return out
 
 
 def _empty(sync: Sequence[str]) -> dict[str, Any]:
@@ -257,11 +259,13 @@ def _empty(sync: Sequence[str]) -> dict[str, Any]:
             "shares": {"worker": None, "last_stage": None}, "per_step": {}, "steps": 0, "sync": list(sync)}
 
 
-def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None) -> dict[str, Any]:
+def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None,
+          clock: Clock | None | str = "estimate") -> dict[str, Any]:
     """The ``peers`` answer: step_ms {actual, ideal, measured}, slowdown, by_rank, by_phase,
     by_rank_phase (costliest first), per_step, steps, sync; over every group with at least two ranks
-    (the data-parallel closed form of the graph: see the module doc)."""
-    clock = _clock(run)
+    (the data-parallel closed form of the graph: see the module doc). ``clock``: the hosts' clocks
+    (default: the run's estimate)."""
+    clock = _clock(run) if isinstance(clock, str) else clock
     parts = [s for s in (_group_scenarios(g, sync, window, clock) for g in run.groups()) if s is not None]
     if not parts:
         return _empty(sync)
@@ -298,11 +302,47 @@ def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = N
 
 def _clock(run: Run) -> Clock | None:
     """The run's clock estimate when it aligns hosts; None (the per-host median shift) for one host,
-    hosts without a shared collective, and ``--no-align``."""
+    hosts without a shared collective, and ``--no-align``. A run with more than ``CLOCK_SAMPLE_OPS``
+    comm ops whose comm graph is not built yet is estimated from the ops of ``CLOCK_SAMPLE_STEPS``
+    steps spread over the run (building the whole graph costs tens of µs an op)."""
     if len({d.host for d in run.processes}) < 2:
         return None
-    clock = next((g.clock for g in run.comm.values() if g.clock is not None), None)
+    if run.graphs is None and sum(len(d.comm) for d in run.processes) > CLOCK_SAMPLE_OPS:
+        clock: Clock | None = _sampled_clock(run)
+    else:
+        clock = next((g.clock for g in run.comm.values() if g.clock is not None), None)
     return clock if clock is not None and clock.applied else None
+
+
+CLOCK_SAMPLE_OPS = 200_000
+CLOCK_SAMPLE_STEPS = 100
+
+
+def _sampled_clock(run: Run) -> Clock:
+    """The clock estimate (docs/clock.md) from the comm ops of up to ``CLOCK_SAMPLE_STEPS`` steps,
+    evenly spread over the steps the ops carry."""
+    steps = np.unique(np.concatenate([np.frombuffer(d.comm.step, np.int64) for d in run.processes]))
+    steps = steps[steps >= 0]
+    keep = steps[np.linspace(0, steps.size - 1, min(CLOCK_SAMPLE_STEPS, steps.size)).astype(int)] if steps.size else steps
+    graphs: dict[tuple[str, int], CommGraph] = {}
+    for d in run.processes:
+        g = graphs.setdefault((d.source, d.attempt), CommGraph(source=d.source, attempt=d.attempt))
+        for group in d.comm_groups.values():
+            g.add_group(group)
+        g.world = max(g.world, d.world_size or 0, d.rank + 1)
+        g.hosts[d.rank] = d.host
+        for i in np.flatnonzero(np.isin(np.frombuffer(d.comm.step, np.int64), keep)).tolist():
+            g.add(d.comm.op(i, d.rank, d.attempt))
+    return run_clock(run, graphs)
+
+
+def clock_note(run: Run, clock: Clock | None) -> dict[str, Any] | None:
+    """What the replay compared hosts on: None for one host; else ``{"reference", "aligned", "hosts"}``
+    (the hosts' offset rows when aligned by the estimate ``clock``)."""
+    if len({d.host for d in run.processes}) < 2:
+        return None
+    return {"reference": clock.reference if clock else None, "aligned": clock is not None,
+            "hosts": clock.rows() if clock else []}
 
 
 def _group_scenarios(group: list[ProcessState], sync: Sequence[str], window: Window | None,
@@ -418,10 +458,11 @@ def _rows(rep: Replayed, kind: str, label: str, ideal: float) -> list[dict[str, 
     return sorted(rows, key=lambda r: -r["cost_ms"])
 
 
-def typical(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None) -> dict[str, Any]:
+def typical(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None,
+            clock: Clock | None | str = "estimate") -> dict[str, Any]:
     """The ``typical`` answer (docs/analysis.md "What-if"): every op at its typical duration is the
     ideal; ``by_*`` = step time with only that as measured / ideal; shares; per_step."""
-    clock = _clock(run)
+    clock = _clock(run) if isinstance(clock, str) else clock
     gs = [g for g in (graph.build(grp, clock, window, sync) for grp in run.groups()) if g is not None and g.steps.size >= 2]
     if not gs:
         return {**_empty(sync), "method": "typical"}

@@ -11,6 +11,7 @@ import typer
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
 from otel_train.cli._common import RUN_ID_HELP, cli_errors, fail, fmt_ms, load, print_json, select_run, warn
+from otel_train.cli._remember import remembered
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
@@ -52,18 +53,25 @@ def whatif(
         if method is not None and method not in METHODS:
             fail(f"--method {method!r}: use peers or typical", 2)
         select_run(run_id)
-        from otel_train.analysis.whatif import whatif as whatif_run
+        phases = [s.strip() for s in sync.split(",") if s.strip()]
 
-        run = load(path, steps=steps, cache=not no_cache)
-        run.align = not no_align
-        result = whatif_run(run, sync=[s.strip() for s in sync.split(",") if s.strip()], method=method)
+        def compute() -> dict[str, Any]:
+            from otel_train.analysis.whatif import whatif as whatif_run
+
+            run = load(path, steps=steps, cache=not no_cache)
+            run.align = not no_align
+            return whatif_run(run, sync=phases, method=method)
+
+        run = None  # the clock line is read from the result
+        result = remembered("whatif", [path], {"sync": phases, "align": not no_align, "method": method, "steps": steps,
+                                               "run_id": run_id}, compute, enabled=not no_cache)
         if plot is not None:
             _plot(result, plot)
         if as_json:
             print_json(result)
         else:
             _render(clean(result), console())
-            _clock_line(run, console())
+            _clock_line(run, clean(result), console())
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
@@ -77,14 +85,14 @@ def _plot(result: dict[str, Any], path: Path) -> None:
         fail(f"--plot {path}: matplotlib is not installed; pip install 'otel-train[analysis]'")
 
 
-def _clock_line(run: Any, out: Console) -> None:
+def _clock_line(run: Any, result: dict[str, Any], out: Console) -> None:
     """Never correct silently: with more than one host, say which clocks the replay compared."""
-    if len({d.host for d in run.processes}) < 2:
+    note = result.get("clock")
+    if not note:
         return
-    clock = next((g.clock for g in run.comm.values() if g.clock is not None), None)
-    if clock is not None and clock.applied:
-        moved = ", ".join(f"{r['host']} {r['offset_ms']:+.3f} ms" for r in clock.rows()[1:])
-        out.print(f"clocks: hosts aligned to host {clock.reference} from the collectives ({moved}; --no-align: "
+    if note["aligned"]:
+        moved = ", ".join(f"{r['host']} {r['offset_ms']:+.3f} ms" for r in note["hosts"][1:])
+        out.print(f"clocks: hosts aligned to host {note['reference']} from the collectives ({moved}; --no-align: "
                   "each host shifted to the others' median instead)", markup=False)
     else:
         out.print("clocks: hosts not aligned by an estimate (--no-align, or no collective across hosts): each host "
