@@ -13,9 +13,11 @@ cluster's ops arrive ``lead + offset`` after it (the offset: when the op started
 the cluster ends when its last op ends. A collective (matched by group and ``comm.seq``) is a *join*:
 every member ends no earlier than the last member's arrival plus its own *transfer* time (measured:
 its end minus the last arrival, on the aligned clock), nor before its own arrival. A send/recv pair
-(matched by group, sender, receiver and ``comm.seq``) is a join of two; a send that ended before its
-recv arrived (eager) ends ``dur`` after its own arrival instead; an op whose other side is missing,
-or whose members sit in different steps, ends ``dur`` after its arrival.
+(matched by group, sender, receiver and ``comm.seq``) is a join of two whose recv alone waits: it ends
+no earlier than the later of the two arrivals plus its transfer; the send ends ``dur`` (as measured,
+or typical) after its own arrival, never waiting for the recv (so two ranks that each send, then
+receive, never wait for each other). An op whose other side is missing, or whose members sit in
+different steps, ends ``dur`` after its arrival.
 
 **Blocks.** A step is a block: the ops tagged with it (its leaves' and comm ops' ``step``; a rank's
 items never move back to an earlier step). Block ``b``'s time ``T[b]`` is the latest end of a rank's
@@ -46,8 +48,6 @@ UNTRACED = "(untraced)"
 """The phase owning each item's lead: time on a rank that no leaf and no comm op covers."""
 
 Window = tuple[int, int]
-SEND_SLACK_MS = 1e-3
-"""A send that ends within this of its recv's arrival did not wait for it (records keep µs)."""
 
 # Node kinds
 PIECE, ARRIVE, JOIN, END, EXIT = range(5)
@@ -433,9 +433,9 @@ def joins(flat: Flat) -> Joins:
     ids = np.cumsum(valid) - 1
     of = np.where(valid[inv], ids[inv], -1)
     transfer = flat.o_end - last[inv]
-    # A send waits for its recv only if it ended after the recv arrived (else it was eager; a tie is
-    # eager too: two ranks that each send, then receive, would otherwise wait for each other).
-    waits = (of >= 0) & ~(flat.o_send & (transfer <= SEND_SLACK_MS))
+    # A send never waits for its recv (its own duration, measured, holds whatever waiting it did):
+    # only the recv ends no earlier than its send's arrival plus its transfer.
+    waits = (of >= 0) & ~flat.o_send
     return Joins(of, waits, transfer, lo[valid])
 
 
@@ -466,7 +466,7 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     dur_i[piece] = group_mean(ikey[piece], dur[piece])
     o_rank = flat.o_rank.astype(np.int64)
     o_dur = flat.o_end - flat.o_start
-    w, nw, m = jn.waits, ~jn.waits, jn.of >= 0
+    w, nw = jn.waits, ~jn.waits
     tr_i, du_i = np.zeros(no), np.zeros(no)
     tr_i[w] = group_median(flat.o_tkey[w], jn.transfer[w])
     du_i[nw] = group_median(flat.o_tkey[nw], o_dur[nw])
@@ -482,10 +482,9 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
         # an op ends no earlier than its arrival (+ its dur when it waits for no join)
         (arrive, end, o_own, np.where(w, 0.0, o_dur), np.where(w, 0.0, du_i), np.full(no, fixed), np.zeros(no),
          np.zeros(no)),
-        # ... and, waiting, than its join (the last arrival) + its transfer; an eager send keeps the
-        # edge (the same structure every step, whatever the timing) with a weight that never binds
-        (join[jn.of[m]], end[m], o_own[m], np.where(w[m], jn.transfer[m], -np.inf), np.where(w[m], tr_i[m], -np.inf),
-         np.full(int(m.sum()), fixed), np.zeros(int(m.sum())), np.zeros(int(m.sum()))),
+        # ... and, waiting, than its join (the last arrival) + its transfer
+        (join[jn.of[w]], end[w], o_own[w], jn.transfer[w], tr_i[w], np.full(int(w.sum()), fixed),
+         np.zeros(int(w.sum())), np.zeros(int(w.sum()))),
         # a join waits for every member's arrival
         (arrive[jn.of >= 0], join[jn.of[jn.of >= 0]]) + _fixed_zero(int((jn.of >= 0).sum()), fixed),
         # a cluster of several ops ends when its last op ends
@@ -598,8 +597,9 @@ class Plan:
 
 def _levels(src: np.ndarray, dst: np.ndarray, n: int, is_join: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each local node's level (longest path from the boundaries, in edges), Kahn's way, a level at a
-    time; and which edges are kept. Ops that wait for each other in a cycle (only ties on aligned
-    clocks can make one) lose their joins' edges into the cycle: they end as their arrival allows."""
+    time; and which edges are kept. Ops that wait for each other in a cycle (ties on aligned clocks
+    could make one: collectives issued in different orders at the same instant) lose their joins'
+    edges inside the cycle: they end as their arrival allows."""
     keep = np.ones(src.size, bool)
     indeg = np.bincount(dst, minlength=n + 1)  # node n: where dropped edges lead
     order = np.argsort(src, kind="stable")
@@ -620,7 +620,15 @@ def _levels(src: np.ndarray, dst: np.ndarray, n: int, is_join: np.ndarray) -> tu
         left = level < 0
         if not left.any():
             return level, keep
-        cut = keep & left[src] & left[dst] & is_join[src]
+        core = left.copy()  # the cycles: what is left, less what only waits downstream of them
+        while True:
+            inside = keep & core[src] & core[dst]
+            has_out = np.zeros(n, bool)
+            has_out[src[inside]] = True
+            if (core == (core & has_out)).all():
+                break
+            core &= has_out
+        cut = keep & core[src] & core[dst] & is_join[src]
         if not cut.any():
             raise ValueError("the dependency graph has a cycle")  # cannot happen: only joins wait
         keep &= ~cut
