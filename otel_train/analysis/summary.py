@@ -16,6 +16,7 @@ from otel_train.analysis.findings import findings
 from otel_train.analysis.flight_recorder import read_dumps
 from otel_train.analysis.goodput import goodput
 from otel_train.analysis.records import Warn, logs_dir, warn_to_stderr
+from otel_train.analysis.reading.cache import uses
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run, load_run
 from otel_train.phases import STEP
 from otel_train.analysis.stats import durations, quantiles
@@ -48,6 +49,7 @@ def read_fr(path: str | Path, warn: Warn | None = None, run: Run | None = None) 
     """The comm ops and groups of the Flight Recorder dumps under ``path`` (docs/comm.md); none when
     it does not exist. A dump that cannot be read, and ranks without a dump, are one line each to ``warn``."""
     path = Path(path)
+    uses(path)  # a remembered result depends on the dumps, there or not (reading/cache.py)
     if not path.exists():
         return [], []
     states = run.processes if run is not None else []

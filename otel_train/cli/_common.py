@@ -58,6 +58,8 @@ RUN_ID_HELP = "Analyse the run with this id (default: the one started last, when
 def select_run(run_id: str | None) -> None:
     """``--run-id``: the run every read of this command analyses (docs/analysis.md, "Several runs in one
     directory"); None: the run started last."""
+    if run_id is None and "otel_train.analysis.spans" not in sys.modules:
+        return  # no run was chosen in this process: the default holds (a remembered result imports no reader)
     from otel_train.analysis.spans import use_run
 
     use_run(run_id)
@@ -69,8 +71,14 @@ def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     raise typer.Exit(code)
 
 
+HEARD: list[list[str]] = []
+"""Where a remembered command records the warnings it says (otel_train/cli/_remember.py)."""
+
+
 def warn(message: str) -> None:
     """One warning line on stderr (goes above a running progress bar)."""
+    for said in HEARD:
+        said.append(message)
     err_console().print(printable(message), markup=False)
 
 

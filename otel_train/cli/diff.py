@@ -10,6 +10,7 @@ import typer
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
 from otel_train.cli._common import RUN_ID_HELP, cli_errors, fmt_ms, load, print_json, select_run
+from otel_train.cli._remember import remembered
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
@@ -38,11 +39,16 @@ def diff(
     significance; regressions and improvements that are significant and big enough."""
     with cli_errors():
         select_run(run_id)
-        from otel_train.analysis.diff import Thresholds, diff_runs
 
-        a = load(path_a, "reading A", steps=steps, cache=not no_cache)
-        b = load(path_b, "reading B", steps=steps, cache=not no_cache)
-        result = diff_runs(a, b, Thresholds(max_p, min_pct, min_ms))
+        def compute() -> dict[str, Any]:
+            from otel_train.analysis.diff import Thresholds, diff_runs
+
+            a = load(path_a, "reading A", steps=steps, cache=not no_cache)
+            b = load(path_b, "reading B", steps=steps, cache=not no_cache)
+            return diff_runs(a, b, Thresholds(max_p, min_pct, min_ms))
+
+        result = remembered("diff", [path_a, path_b], {"max_p": max_p, "min_pct": min_pct, "min_ms": min_ms,
+                                                      "steps": steps, "run_id": run_id}, compute, enabled=not no_cache)
         if as_json:
             print_json(result)
         else:

@@ -1,15 +1,22 @@
 """``otel-train export PATH [--output FILE] [--format chrome|perfetto|otlp-json] [--ranks 0,3-5] [--steps 100-200]
-[--fr PATH]``."""
+[--fr PATH] [--no-align] [--no-cache]``."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from otel_train.cli._app import app
 from otel_train.cli._common import RUN_ID_HELP, byte_progress, cli_errors, fail, note_malformed, select_run, warn
+from otel_train.cli._remember import remembered
+
+if TYPE_CHECKING:
+    from otel_train.analysis.export import ExportResult
+
+FORMATS = ("chrome", "perfetto", "otlp-json")
+"""otel_train.analysis.export.FORMATS (a copy: start-up stays small; tests/test_cache.py checks it)."""
 
 
 def parse_ranks(text: str) -> set[int]:
@@ -63,13 +70,12 @@ def export(
         help="Keep every host's raw clock (default: hosts aligned to the reference host's clock, each moved "
              "record's own time in its args as raw_ts; docs/clock.md).",
     ),
+    no_cache: bool = typer.Option(False, "--no-cache",
+                                  help="Neither use nor fill the run's read cache, nor reuse an earlier export."),
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
         select_run(run_id)
-        from otel_train.analysis.export import FORMATS, export as export_run  # here: start-up stays small
-        from otel_train.analysis.records import Reader
-
         if fmt not in FORMATS:
             fail(f"--format {fmt!r}: use one of {', '.join(FORMATS)}")
         try:
@@ -77,13 +83,23 @@ def export(
             step_range = parse_steps(steps) if steps is not None else None
         except ValueError as exc:
             fail(str(exc))
-        with byte_progress(path, "exporting") as progress:
-            reader = Reader(warn=warn, progress=progress)
-            if fr is not None and not fr.exists():
-                warn(f"warning: --fr {fr}: no such file or directory; exporting without Flight Recorder dumps")
-            result = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader, fr=fr,
-                                align=not no_align)
-        note_malformed(result.malformed_lines)
+        if fr is not None and not fr.exists():
+            warn(f"warning: --fr {fr}: no such file or directory; exporting without Flight Recorder dumps")
+
+        def compute() -> ExportResult:
+            from otel_train.analysis.export import export as export_run  # here: start-up stays small
+            from otel_train.analysis.records import Reader
+
+            with byte_progress(path, "exporting") as progress:
+                reader = Reader(warn=warn, progress=progress)
+                done = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader, fr=fr,
+                                  align=not no_align, cache=not no_cache)
+            note_malformed(done.malformed_lines)
+            return done
+
+        args = {"format": fmt, "output": output and output.resolve(), "ranks": sorted(rank_set or ()) or None,
+                "steps": step_range, "fr": fr and fr.resolve(), "align": not no_align, "run_id": run_id}
+        result = remembered("export", [path], args, compute, enabled=not no_cache)
         if result.processes == 0:
             warn("warning: no process matched --ranks; the trace is empty")
         typer.echo(

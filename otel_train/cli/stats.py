@@ -11,6 +11,7 @@ import typer
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
 from otel_train.cli._common import RUN_ID_HELP, cli_errors, fmt_ms, load, print_json, select_run, warn
+from otel_train.cli._remember import remembered
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
@@ -33,9 +34,13 @@ def stats(
     """Per phase x rank timings, per-step breakdown with idle time, straggler scores vs. peers."""
     with cli_errors():
         select_run(run_id)
-        from otel_train.analysis.stats import compute_stats
 
-        result = compute_stats(load(path, steps=steps, cache=not no_cache))
+        def compute() -> dict[str, Any]:
+            from otel_train.analysis.stats import compute_stats
+
+            return compute_stats(load(path, steps=steps, cache=not no_cache))
+
+        result = remembered("stats", [path], {"steps": steps, "run_id": run_id}, compute, enabled=not no_cache)
         if csv_file is not None:
             write_steps_csv(result["steps"], csv_file)
             warn(f"wrote {len(result['steps'])} step rows to {csv_file}")

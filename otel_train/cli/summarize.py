@@ -11,6 +11,7 @@ import typer
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
 from otel_train.cli._common import RUN_ID_HELP, cli_errors, comm_line, fmt_ms, load, print_json, select_run, warn
+from otel_train.cli._remember import remembered
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
@@ -49,11 +50,15 @@ def summarize(
 
             summary = summarize_fast(path, warn=warn, fr=fr, align=not no_align)
         else:
-            from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
+            def compute() -> dict[str, Any]:
+                from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
 
-            run = load(path, steps=steps, cache=not no_cache)
-            run.align = not no_align
-            summary = summarize_run(with_dumps(run, fr if fr is not None else default_fr(path, run), warn))
+                run = load(path, steps=steps, cache=not no_cache)
+                run.align = not no_align
+                return summarize_run(with_dumps(run, fr if fr is not None else default_fr(path, run), warn))
+
+            summary = remembered("summarize", [path], {"fr": fr and fr.resolve(), "align": not no_align, "steps": steps,
+                                                       "run_id": run_id}, compute, enabled=not no_cache)
         if as_json:
             print_json(summary)
         else:

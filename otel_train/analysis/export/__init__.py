@@ -4,6 +4,13 @@ The formats are leaves that share only :mod:`.layout`: ``chrome`` (Chrome trace 
 (Perfetto protobuf) render one process at a time, so a big run is rendered by a pool of workers into
 part files that are appended in process order (byte for byte the serial output); ``otlp-json`` streams
 the run's SDK spans. Every format is written next to the output and renamed into place.
+
+A step window (``steps``) costs its size (docs/analysis.md, "Reading"): every process is read by
+bisection (:mod:`otel_train.analysis.reading.window`), the comm plan (flows, culprits) and the clock
+estimate are made from the window's records, and it is rendered in this process unless the window is
+big. A whole-run export uses the read cache (``cache``): the comm plan takes each process's comm ops
+from its cached state when it is there (else a byte search of its files), and each process the export
+reads whole is kept in the cache for the commands that follow.
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ from otel_train.analysis.clock import Clock
 from otel_train.analysis.export import chrome, perfetto
 from otel_train.analysis.export.flows import CommPlan, ProcessMarks, comm_plan
 from otel_train.analysis.export.layout import Counts, ProcessLayout, layout_process
+from otel_train.analysis.export.flows import scan_comm
+from otel_train.analysis.reading import window
+from otel_train.analysis.reading.cache import Cache, identify, made, uses
 from otel_train.analysis.records import Head, ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
-from otel_train.analysis.summary import default_fr  # noqa: F401 - the default dump folder, also for export
-from otel_train.analysis.spans import (PARALLEL_MIN_BYTES, ProcessState, iter_processes, pool_context, process_order,
-                                       read_process)
+from otel_train.analysis.summary import default_fr
+from otel_train.analysis.spans import (PARALLEL_MIN_BYTES, ProcessState, Run, iter_processes, load_run, pool_context,
+                                       process_order, read_process)
 
 FORMATS = ("chrome", "perfetto", "otlp-json")
 ANALYSIS_DIR = "analysis"
@@ -37,7 +47,8 @@ _RENDERERS: dict[str, ModuleType] = {"chrome": chrome, "perfetto": perfetto}
 """Formats written one laid-out process at a time: ``HEAD``, then ``render(layout, origin_us, file)`` per
 process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malformed_lines)``."""
 
-Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None", "Clock | None"]
+Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None", "Clock | None",
+             bool]
 RAW_TS = "raw_ts"
 """The arg holding a record's own time (Unix s) where the export moved it onto the reference clock."""
 
@@ -75,13 +86,14 @@ def export(
     workers: int | None = None,
     fr: str | Path | None = None,
     align: bool = True,
+    cache: bool = True,
 ) -> ExportResult:
     """Write the run at ``path`` as ``fmt`` (one of :data:`FORMATS`) to ``output`` (default:
     :func:`default_output`); only ``ranks`` and steps ``lo..hi`` when given. ``fr``: Flight Recorder
     dumps to merge (default: the run's ``fr_dir``, ``<run>/flight_recorder/``, when it exists).
     ``align`` (chrome, perfetto): every host's times on the reference host's clock, estimated from the
     collectives (docs/clock.md), each moved record keeping its own time in its args (``raw_ts``);
-    False: the raw clocks.
+    False: the raw clocks. ``cache``: use and fill the run's read cache (see the module doc).
 
     Raises TraceReadError when ``path`` holds no trace files, ValueError for an unknown format. The
     file is written next to ``output`` and renamed into place, so a failed export leaves no torn file.
@@ -100,14 +112,16 @@ def export(
         with tmp.open("wb", buffering=1 << 20) as f:
             if fmt in _RENDERERS:
                 order = process_order(path, ranks, reader.bad.warn)
-                plan = comm_plan(path, order, None if fr is None else Path(fr), reader.bad.warn, align)
+                plan = _comm_plan(path, order, fr, reader, align, steps, cache)
                 origin_us = int(_aligned_origin(origin, plan.clock) * 1e6)
-                counts = _write_rendered(_RENDERERS[fmt], fmt, order, plan, f, origin_us, reader, steps, workers)
+                counts = _write_rendered(_RENDERERS[fmt], fmt, order, plan, f, origin_us, reader, steps, workers,
+                                         cache)
             else:
                 from otel_train.analysis.export import otlp_json  # the OTel/protobuf stack: only when asked
 
                 counts = otlp_json.write(iter_processes(path, reader, ranks=ranks, steps=steps), f)
         os.replace(tmp, out)
+        made(out)  # a remembered export is served while this file is still the one written (reading/cache.py)
     except OSError as exc:
         if exc.filename == str(tmp):  # name the file the user asked for, not our temporary
             raise OSError(exc.errno, exc.strerror, str(out)) from None
@@ -117,6 +131,44 @@ def export(
     dump_ops = len(plan.dumps.ops) if plan.dumps is not None else 0
     return ExportResult(*counts, out, reader.malformed_lines, plan.flows, dump_ops, plan.clock)
 
+
+
+def _comm_plan(path: str | Path, order: list[tuple[ProcessFiles, int, Head | None]], fr: str | Path | None,
+               reader: Reader, align: bool, steps: tuple[int, int] | None, cache: bool) -> CommPlan:
+    """The comm plan from the states of :func:`plan_states`; the dumps' folder declared before it is read."""
+    run = plan_states(path, steps, cache)
+    folder = Path(fr) if fr is not None else default_fr(path, run)
+    uses(folder)
+
+    def load() -> Run:
+        return load_run(path, warn=_quiet, steps=steps, cache=cache)
+
+    return comm_plan(path, order, folder, reader.bad.warn, align, run=run, load=load)
+
+
+def plan_states(path: str | Path, steps: tuple[int, int] | None, cache: bool) -> Run:
+    """What the comm plan is made from, for every process of the run (exported or not): with ``steps``,
+    each process's window read (its comm ops, groups and mesh; docs/analysis.md, "Reading"); else its
+    state in the read cache when served exactly, or its comm records (a byte search, :func:`scan_comm`)."""
+    everyone = process_order(path, warn=_quiet)
+    if steps is not None:
+        states = [read_process(pf, attempt, Reader(warn=_quiet), steps=steps, meta=meta) for pf, attempt, meta in everyone]
+        return Run([s for s in states if s.records])
+    store = Cache(logs_dir(path), enabled=cache)
+    states = []
+    for pf, attempt, meta in everyone:
+        hit = store.lookup(pf)
+        state = hit.payload[0] if hit is not None and hit.resume is None and isinstance(hit.payload, tuple) else None
+        if isinstance(state, ProcessState):
+            state.attempt = attempt
+        else:
+            state = scan_comm(pf, attempt, meta)
+        states.append(state)
+    return Run([s for s in states if s.records])
+
+
+def _quiet(_message: str) -> None:
+    pass
 
 
 def trace_origin(path: str | Path, ranks: set[int] | None = None) -> float:
@@ -173,22 +225,24 @@ def _write_rendered(
     reader: Reader,
     steps: tuple[int, int] | None,
     workers: int | None,
+    cache: bool = True,
 ) -> Counts:
     """The whole run, process ``i`` of the run's order with pid ``i + 1``: rendered here, or for a large
-    run by a pool of workers into part files appended here in order."""
-    sizes = [pf.size for pf, _, _ in order]
+    run (a large window) by a pool of workers into part files appended here in order."""
+    sizes = [read_size(pf, steps) for pf, _, _ in order]
     workers = min(workers or os.cpu_count() or 1, len(order))
     f.write(renderer.HEAD)
     totals = Counts(0, 0, 0, 0)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
         for index, (pf, attempt, meta) in enumerate(order):
-            lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt), plan.clock)
+            lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt), plan.clock,
+                          cache)
             if lay is not None:
                 if totals.processes:
                     f.write(renderer.SEPARATOR)
                 totals = _add(totals, renderer.render(lay, origin_us, f))
     else:
-        for counts, part in _pooled(order, sizes, fmt, plan, f, origin_us, reader, steps, workers):
+        for counts, part in _pooled(order, sizes, fmt, plan, f, origin_us, reader, steps, workers, cache):
             if totals.processes:
                 f.write(renderer.SEPARATOR)
             with open(part, "rb") as src:
@@ -199,17 +253,27 @@ def _write_rendered(
     return totals
 
 
+def read_size(pf: ProcessFiles, steps: tuple[int, int] | None) -> int:
+    """The bytes of ``pf`` an export reads: all of them, or its window's (:func:`window.plan`)."""
+    plan = window.plan(pf, *steps) if steps is not None else None
+    return plan.nbytes if plan is not None else pf.size
+
+
 def _add(a: Counts, b: Counts) -> Counts:
     return Counts(*(x + y for x, y in zip(a, b)))
 
 
 def _layout(pf: ProcessFiles, attempt: int, index: int, reader: Reader, steps: tuple[int, int] | None,
-            meta: Head | None = None, marks: ProcessMarks | None = None, clock: Clock | None = None
-            ) -> ProcessLayout | None:
+            meta: Head | None = None, marks: ProcessMarks | None = None, clock: Clock | None = None,
+            cache: bool = False) -> ProcessLayout | None:
     """One process read and laid out (None without a valid record), with its comm marks (the ops only a
     dump saw, culprit instants, flows), on the reference clock (``clock``). Only the layout is
-    returned: the records are freed before anything is written."""
-    state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
+    returned: the records are freed before anything is written. ``cache``: a process read whole is
+    kept in the read cache (:func:`_read_kept`)."""
+    if cache and steps is None:
+        state = _read_kept(pf, attempt, reader, meta)
+    else:
+        state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
     if not state.records:
         return None
     if marks is not None:
@@ -223,6 +287,26 @@ def _layout(pf: ProcessFiles, attempt: int, index: int, reader: Reader, steps: t
     return lay
 
 
+def _read_kept(pf: ProcessFiles, attempt: int, reader: Reader, meta: Head | None) -> ProcessState:
+    """``read_process(keep=True)`` of the whole process, whose compact part (all but the spans, instants
+    and scalars: what ``load_run`` keeps) goes into the read cache, with the read's warnings."""
+    store = Cache(logs_dir(pf.paths[0].parent))
+    before = [identify(p) for p in pf.paths]
+    warnings: list[str] = []
+    local = Reader(warn=warnings.append, progress=reader._progress)
+    state = read_process(pf, attempt, local, keep=True, meta=meta)
+    reader.absorb(local.malformed_lines, warnings, 0)
+    kept = (state.spans, state.instants, state.scalars, state._sinks, state._comm_sinks)
+    state.spans, state.instants, state.scalars, state._sinks, state._comm_sinks = [], [], [], {}, {}
+    state.keep = False
+    try:
+        store.store(pf, before, (state, warnings))
+    finally:
+        state.spans, state.instants, state.scalars, state._sinks, state._comm_sinks = kept
+        state.keep = True
+    return state
+
+
 def _pooled(
     order: list[tuple[ProcessFiles, int, Head | None]],
     sizes: list[int],
@@ -233,12 +317,14 @@ def _pooled(
     reader: Reader,
     steps: tuple[int, int] | None,
     workers: int,
+    cache: bool = True,
 ) -> Iterator[tuple[Counts, str]]:
     """Each process with records, in order: its counts and the part file it was rendered into, by a
     pool of ``workers - 1`` processes and by this one (see :class:`_Schedule`)."""
     stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
     tasks: list[Task] = [(pf, attempt, index, origin_us, steps, fmt, f"{stem}{index}",
-                          plan.of(pf.source, pf.rank, attempt), plan.clock) for index, (pf, attempt, _) in enumerate(order)]
+                          plan.of(pf.source, pf.rank, attempt), plan.clock, cache)
+                         for index, (pf, attempt, _) in enumerate(order)]
     try:
         with ProcessPoolExecutor(workers - 1, mp_context=pool_context()) as pool:
             schedule = _Schedule(pool, tasks, 2 * (workers - 1))  # one running, one waiting per worker
@@ -280,10 +366,10 @@ class _Schedule:
 
 def _render_task(task: Task) -> tuple[Counts, int, list[str], str | None]:
     """Worker: read, lay out and render one process into a part file; (counts, malformed, warnings, part)."""
-    pf, attempt, index, origin_us, steps, fmt, part, marks, clock = task
+    pf, attempt, index, origin_us, steps, fmt, part, marks, clock, cache = task
     warnings: list[str] = []
     reader = Reader(warn=warnings.append)
-    lay = _layout(pf, attempt, index, reader, steps, marks=marks, clock=clock)
+    lay = _layout(pf, attempt, index, reader, steps, marks=marks, clock=clock, cache=cache)
     if lay is None:
         return Counts(0, 0, 0, 0), reader.malformed_lines, warnings, None
     with open(part, "wb", buffering=1 << 20) as out:

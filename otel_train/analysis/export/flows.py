@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,13 +82,16 @@ class CommPlan:
 
 
 def comm_plan(path: str | Path, order: list[tuple[ProcessFiles, int, Head | None]], fr: Path | None,
-              warn: Warn, align: bool = True) -> CommPlan:
+              warn: Warn, align: bool = True, *, run: Run | None = None, load: Callable[[], Run] | None = None
+              ) -> CommPlan:
     """The marks of the processes in ``order`` (the exported ones:
     :func:`~otel_train.analysis.spans.process_order`), from the comm records of every process of the run
-    at ``path`` and the Flight Recorder dumps under ``fr`` (default: the run's ``fr_dir``), and the
-    hosts' clocks (``align``: estimated from those records; else raw)."""
-    everyone = process_order(path, warn=_quiet)
-    run = Run([s for s in (scan_comm(pf, attempt, meta) for pf, attempt, meta in everyone) if s.records])
+    at ``path`` (or the states of ``run``: a step window's, the read cache's) and the Flight Recorder
+    dumps under ``fr`` (default: the run's ``fr_dir``), and the hosts' clocks (``align``: estimated from
+    those records; else raw). ``load``: the run whose findings name the culprits (default: all of it)."""
+    if run is None:
+        everyone = process_order(path, warn=_quiet)
+        run = Run([s for s in (scan_comm(pf, attempt, meta) for pf, attempt, meta in everyone) if s.records])
     run.align = align
     plan = CommPlan()
     fr = fr if fr is not None else default_fr(path, run)
@@ -103,7 +106,7 @@ def comm_plan(path: str | Path, order: list[tuple[ProcessFiles, int, Head | None
         _mark_graph(plan, graph, ids, exported)
         plan.clock = graph.clock
     if any(g.desynced or any(op.waiting for op in g.all_ops()) for g in run.comm.values()):
-        _mark_culprits(plan, path, run, exported)
+        _mark_culprits(plan, path, run, exported, load)
     return plan
 
 
@@ -236,11 +239,12 @@ def dump_span(op: CommOp) -> Span:
                 op.step, attrs)
 
 
-def _mark_culprits(plan: CommPlan, path: str | Path, scanned: Run, exported: set[Key]) -> None:
+def _mark_culprits(plan: CommPlan, path: str | Path, scanned: Run, exported: set[Key],
+                   load: Callable[[], Run] | None = None) -> None:
     """A ``culprit`` instant on the comm track of each culprit of the findings' communication hangs and
     desyncs (the one findings module, on the whole run read once more: only a run whose comm graph has
     a rank waiting or a desync pays for it), at the first waiter's arrival (a desync: its own op)."""
-    run = load_run(path, warn=_quiet)
+    run = load() if load is not None else load_run(path, warn=_quiet)
     run.extra_ops, run.extra_groups, run.align = scanned.extra_ops, scanned.extra_groups, scanned.align
     source_of = {(d.rank, d.attempt): d.source for d in run.processes}
     for found in findings(run, stragglers=False):

@@ -22,17 +22,31 @@ that cannot be written is a silent no-op. Entries are written to an ``O_EXCL | O
 temporary and renamed; only entries owned by this user in a directory only this user can write are
 read (an entry is a pickle). The directory is bounded (:data:`MAX_BYTES`, ``OTEL_TRAIN_CACHE_MB``):
 past it the least recently used entries go.
+
+**Results** (:class:`Recall`): what a command made of a run (a summary, stats, a what-if answer, a
+diff, an export's counts and file), kept in the same directory (``<hash>.result``) under a key of the
+command, its arguments and the code (:func:`code_identity`), with a snapshot (:func:`snapshot`) of
+every input: each logs directory's entries with their identities, every other path the analysis
+declared (:func:`uses`: Flight Recorder dumps) before reading it, and the files it wrote
+(:func:`made`). Served only while every snapshot is the same; kept only when the inputs did not
+change while the command ran.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
+import importlib.util
 import os
 import pickle
 import secrets
 import stat
+import sys
 import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +59,10 @@ PRINT_BYTES = 4096
 MAX_BYTES = int(float(os.environ.get("OTEL_TRAIN_CACHE_MB", "512")) * 2**20)
 """The cache directory's size bound (default 512 MiB)."""
 
+ENTRY_SUFFIXES = (".state", ".result")
+"""The cache's entries: a process's read state, a command's result."""
+MAX_ENTRIES = 20_000
+"""A snapshot of more directory entries than this is not taken: such a command is not remembered."""
 Ident = tuple[int, int, int, int, int, int, int]  # dev, ino, size, mtime_ns, ctime_ns, head crc, tail crc
 
 
@@ -234,7 +252,8 @@ def _write(entry: Path, data: bytes) -> None:
 def _bound(d: Path, limit: int) -> None:
     """Remove the least recently used entries of ``d`` until it holds at most ``limit`` bytes."""
     try:
-        entries = [(e.stat(follow_symlinks=False), e.path) for e in os.scandir(d) if e.name.endswith(".state")]
+        entries = [(e.stat(follow_symlinks=False), e.path) for e in os.scandir(d)
+                   if e.name.endswith(ENTRY_SUFFIXES)]
     except OSError:
         return
     total = sum(st.st_size for st, _ in entries)
@@ -246,3 +265,159 @@ def _bound(d: Path, limit: int) -> None:
             total -= st.st_size
         except OSError:
             pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Results: what a command made of unchanged inputs (see the module doc; docs/analysis.md, "Reading")
+
+
+class TooBig(Exception):
+    """A snapshot past :data:`MAX_ENTRIES`: the command is not remembered."""
+
+
+def snapshot(path: Path, depth: int = 4, *, logs: bool = False) -> Any:
+    """What ``path`` is now, comparable with ``==``: None when absent; ``("f", ident)`` a regular file
+    (:func:`identify`, links followed as the readers follow them); ``("d", entries)`` a directory: its
+    entries' names and snapshots, sorted, ``depth`` levels down (below that, the directory's own
+    times); ``("o", kind)`` anything else. ``logs``: a logs directory, whose subdirectories are left
+    out (the read cache, an export's folder) unless named like a trace file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return ("e", exc.errno)
+    if stat.S_ISREG(st.st_mode):
+        got = identify(path)
+        return ("f", got[0]) if got is not None else ("e", 0)
+    if not stat.S_ISDIR(st.st_mode):
+        return ("o", stat.S_IFMT(st.st_mode))
+    if depth <= 0:
+        return ("d", st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as exc:
+        return ("e", exc.errno)
+    if len(names) > MAX_ENTRIES:
+        raise TooBig(str(path))
+    entries = []
+    for name in names:
+        snap = snapshot(path / name, 0 if logs else depth - 1)
+        if logs and snap is not None and snap[0] == "d" and not schema.FILE_RE.match(name):
+            continue
+        entries.append((name, snap))
+    return ("d", tuple(entries))
+
+
+@cache
+def code_identity() -> str:
+    """The code a result is made by: this package's sources (names, sizes, mtimes) and the versions of
+    Python, numpy and msgspec (their module files, found without importing them)."""
+    digest = hashlib.sha256(sys.version.encode())
+    root = Path(__file__).resolve().parents[2]
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                st = os.stat(os.path.join(folder, name))
+                digest.update(f"{folder}/{name}:{st.st_size}:{st.st_mtime_ns};".encode())
+    for module in ("numpy", "msgspec"):
+        spec = importlib.util.find_spec(module)
+        origin = spec.origin if spec is not None else None
+        if origin:
+            st = os.stat(origin)
+            digest.update(f"{module}:{origin}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return digest.hexdigest()
+
+
+_active: contextvars.ContextVar[Recall | None] = contextvars.ContextVar("otel_train_recall", default=None)
+
+
+def uses(path: str | Path) -> None:
+    """Declare an input outside the logs directories (Flight Recorder dumps) before reading it: the
+    result being recorded now (if any) depends on it."""
+    recall = _active.get()
+    if recall is not None:
+        recall.inputs.append((Path(path), recall.snap(Path(path))))
+
+
+def made(path: str | Path) -> None:
+    """Declare a file the command wrote (an export): its result is served only while that file is
+    still the one written."""
+    recall = _active.get()
+    if recall is not None:
+        recall.outputs.append(Path(path))
+
+
+class Recall:
+    """One command's result for one set of inputs: :meth:`recall` it, or compute it inside
+    :meth:`recording` and :meth:`keep` it (see the module doc). ``logs``: the runs' logs directories
+    (the first one's cache directory holds the entry); ``args``: everything else the result depends on."""
+
+    def __init__(self, command: str, logs: Sequence[Path], args: Mapping[str, Any], *, enabled: bool = True) -> None:
+        self.logs = [Path(p).resolve() for p in logs]
+        self.enabled = enabled and bool(self.logs)
+        self.key = (command, tuple(map(str, self.logs)), tuple(sorted((k, repr(v)) for k, v in args.items())))
+        self.inputs: list[tuple[Path, Any]] = []
+        self.outputs: list[Path] = []
+        self.too_big = False
+        self.store = Cache(self.logs[0], enabled=self.enabled) if self.logs else None
+
+    def snap(self, path: Path, *, logs: bool = False) -> Any:
+        """:func:`snapshot`, or None and a mark that this result cannot be remembered."""
+        try:
+            return snapshot(path, logs=logs)
+        except (TooBig, RecursionError):
+            self.too_big = True
+            return None
+
+    def entry(self) -> Path | None:
+        """Where this key's result is kept; None without a cache."""
+        d = self.store.directory() if self.store is not None and self.enabled else None
+        if d is None:
+            return None
+        name = hashlib.sha256(repr((self.key, code_identity())).encode()).hexdigest()[:32]
+        return d / f"{name}.result"
+
+    def recall(self) -> tuple[Any, list[str]] | None:
+        """(result, the warnings it said) when one was kept for these inputs as they are now; else None."""
+        entry = self.entry()
+        stored = _load(entry) if entry is not None and entry.exists() else None
+        if not isinstance(stored, dict) or stored.get("v") != VERSION or stored.get("key") != self.key \
+                or stored.get("code") != code_identity():
+            return None
+        try:
+            if any(snapshot(path, logs=kind == "logs") != snap for kind, path, snap in stored["inputs"]):
+                return None
+            return stored["value"], list(stored["warnings"])
+        except Exception:  # noqa: BLE001 - an entry of another shape is a miss, never a failure
+            return None
+
+    @contextmanager
+    def recording(self) -> Iterator[Recall]:
+        """Compute the result inside: the logs directories are snapshot first; :func:`uses` and
+        :func:`made` report to this recall."""
+        self.inputs = [(p, self.snap(p, logs=True)) for p in self.logs]
+        self.outputs = []
+        token = _active.set(self)
+        try:
+            yield self
+        finally:
+            _active.reset(token)
+
+    def keep(self, value: Any, warnings: Sequence[str]) -> None:
+        """Store ``value`` (made inside :meth:`recording`) when every input is as it was before it was read."""
+        entry = self.entry()
+        if entry is None or self.too_big:
+            return
+        inputs = [("logs" if i < len(self.logs) else "path", path, snap) for i, (path, snap) in enumerate(self.inputs)]
+        try:
+            if any(snapshot(path, logs=kind == "logs") != snap for kind, path, snap in inputs):
+                return  # an input changed while it was read: the result may be of neither version
+            inputs += [("path", path, snapshot(path)) for path in self.outputs]
+            data = pickle.dumps({"v": VERSION, "key": self.key, "code": code_identity(), "inputs": inputs,
+                                 "value": value, "warnings": list(warnings)}, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - a result that cannot be kept is computed again next time
+            return
+        _write(entry, data)
+        _bound(entry.parent, MAX_BYTES)
