@@ -537,7 +537,7 @@ def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], wind
             continue
         f.update(cost)
         f["message"] += (f"; it costs {cost['cost_ms']:.1f} ms of every {actual:.1f} ms step "
-                         f"({cost['cost_pct']:.0f} %, what-if)")
+                         f"({cost['cost_pct']:.0f} %, what-if; where it goes: otel-train whatif --plot heat.png)")
         kept.append(f)
     return kept
 
