@@ -196,3 +196,178 @@ def test_the_size_bound_drops_the_least_recently_used(tmp_path: Path, monkeypatc
     os.utime(entries[0], ns=(1, 1))
     C._bound(tmp_path / C.CACHE_DIR, entries[1].stat().st_size)
     assert not entries[0].exists() and entries[1].exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Remembered results (reading/cache.py Recall, cli/_remember.py): served only for unchanged inputs
+
+
+def _invoke(*args: str) -> str:
+    res = CliRunner().invoke(app, list(args))
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def _computed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the summaries computed (not served) by ``summarize``."""
+    import otel_train.analysis.summary as summary
+
+    calls: list[int] = []
+    real = summary.summarize_run
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(summary, "summarize_run", counted)
+    return calls
+
+
+def _rank_file(run: Path, proc: Proc) -> Path:
+    return run / schema.STRUCTURED_LOGS_DIR / proc.file_name
+
+
+@pytest.mark.parametrize("change", ["appended", "same_size_same_mtime", "truncated", "replaced", "rotated",
+                                    "new_process", "removed_process", "fr_dump", "code"])
+def test_a_remembered_result_is_never_served_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    change: str) -> None:
+    procs = _run(tmp_path)
+    calls = _computed(monkeypatch)
+    first = _invoke("summarize", str(tmp_path), "--json")
+    assert _invoke("summarize", str(tmp_path), "--json") == first and len(calls) == 1  # served
+    assert list((tmp_path / C.CACHE_DIR).glob("*.result"))
+    path = _rank_file(tmp_path, procs[0])
+    data, st = path.read_bytes(), path.stat()
+    if change == "appended":
+        p = procs[0]
+        before = len(p.lines)
+        p.steps(range(30, 35))
+        with path.open("a") as f:
+            f.write("".join(line + "\n" for line in p.lines[before:]))
+    elif change == "same_size_same_mtime":
+        path.write_bytes(data.replace(b'"dur_ms":20.0', b'"dur_ms":29.0'))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    elif change == "truncated":
+        path.write_bytes(data[: data.rfind(b"\n", 0, len(data) // 2) + 1])
+    elif change == "replaced":
+        other = path.with_name("tmp-other")
+        other.write_bytes(data.replace(b'"dur_ms":20.0', b'"dur_ms":23.0'))
+        os.utime(other, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(other, path)
+    elif change == "rotated":
+        os.rename(path, Path(f"{path}.1"))
+        path.write_bytes(data[-300:].split(b"\n", 1)[1])
+    elif change == "new_process":
+        extra = Proc(rank=2, world_size=3)
+        extra.steps(range(5))
+        extra.shutdown()
+        write_run(tmp_path, [extra])
+    elif change == "removed_process":
+        path.unlink()
+    elif change == "fr_dump":  # a dump in the run's flight_recorder/ (unreadable: a warning in the summary)
+        (tmp_path / "flight_recorder").mkdir()
+        (tmp_path / "flight_recorder" / "rank_0.json").write_text("{not a dump")
+    else:  # the code changed (another version of otel-train, an edited source)
+        monkeypatch.setattr(C, "code_identity", lambda: "another version")
+    again = _invoke("summarize", str(tmp_path), "--json")
+    assert len(calls) == 2, "computed again"
+    assert again == _invoke("summarize", str(tmp_path), "--json", "--no-cache")
+    if change not in ("code", "rotated"):  # (a rotation keeps the same records)
+        assert again != first
+
+
+def test_a_result_is_kept_per_arguments_and_with_its_warnings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    procs = [Proc(rank=0, world_size=1)]
+    procs[0].steps(range(20))
+    procs[0].shutdown()
+    write_run(tmp_path, procs, garbage={7: b"not json"})
+    calls = _computed(monkeypatch)
+    whole = _invoke("summarize", str(tmp_path), "--json")
+    window = _invoke("summarize", str(tmp_path), "--json", "--steps", "0-4")
+    assert whole != window and len(calls) == 2
+    assert _invoke("summarize", str(tmp_path), "--json") == whole
+    assert _invoke("summarize", str(tmp_path), "--json", "--steps", "0-4") == window
+    assert len(calls) == 2 and "malformed" in whole and "not json" not in whole
+    stats = _invoke("stats", str(tmp_path), "--json")
+    assert _invoke("stats", str(tmp_path), "--json") == stats == _invoke("stats", str(tmp_path), "--json", "--no-cache")
+
+
+def test_no_cache_keeps_no_result(tmp_path: Path) -> None:
+    _run(tmp_path)
+    for args in (["summarize", "--json"], ["stats", "--json"], ["whatif", "--json"]):
+        _invoke(args[0], str(tmp_path), *args[1:], "--no-cache")
+    _invoke("export", str(tmp_path), "-o", str(tmp_path / "t.json"), "--no-cache")
+    assert not (tmp_path / C.CACHE_DIR).exists()
+
+
+def test_a_diff_is_remembered_for_both_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    _run(a)
+    procs = _run(b)
+    first = _invoke("diff", str(a), str(b), "--json")
+    assert _invoke("diff", str(a), str(b), "--json") == first
+    path = _rank_file(b, procs[1])
+    path.write_bytes(path.read_bytes().replace(b'"dur_ms":40.0', b'"dur_ms":80.0'))
+    assert _invoke("diff", str(a), str(b), "--json") == _invoke("diff", str(a), str(b), "--json", "--no-cache") != first
+
+
+def test_the_cli_copy_of_the_export_formats_agrees() -> None:
+    from otel_train.analysis.export import FORMATS
+    from otel_train.cli.export import FORMATS as CLI_FORMATS
+
+    assert CLI_FORMATS == FORMATS
+
+
+def _exports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    import otel_train.analysis.export as exp
+
+    calls: list[int] = []
+    real = exp.export
+
+    def counted(*a, **k):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(exp, "export", counted)
+    return calls
+
+
+@pytest.mark.parametrize("change", ["none", "output_removed", "output_edited", "trace_changed"])
+def test_an_export_is_remembered_while_its_file_and_inputs_are_unchanged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str) -> None:
+    run, out, ref = tmp_path / "run", tmp_path / "t.pftrace", tmp_path / "ref.pftrace"
+    procs = _run(run)
+    calls = _exports(monkeypatch)
+    said = _invoke("export", str(run), "-f", "perfetto", "-o", str(out))
+    written = out.read_bytes()
+    if change == "output_removed":
+        out.unlink()
+    elif change == "output_edited":
+        out.write_bytes(written[:100])
+    elif change == "trace_changed":
+        path = _rank_file(run, procs[0])
+        path.write_bytes(path.read_bytes().replace(b'"pid":1000', b'"pid":1009'))  # its process label
+    again = _invoke("export", str(run), "-f", "perfetto", "-o", str(out))
+    assert len(calls) == (1 if change == "none" else 2)
+    _invoke("export", str(run), "-f", "perfetto", "-o", str(ref), "--no-cache")
+    assert out.read_bytes() == ref.read_bytes()
+    assert again == said
+    if change == "trace_changed":
+        assert out.read_bytes() != written
+
+
+def test_export_fills_the_read_cache_and_plans_from_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_train.analysis.export import export
+
+    _run(tmp_path, segment=40)
+    first = export(tmp_path, "chrome", tmp_path / "a.json")
+    assert len(list((tmp_path / C.CACHE_DIR).glob("*.state"))) == 2  # each process read whole, kept
+    counts = _counting(monkeypatch)
+    assert _view(load_run(tmp_path)) == _view(load_run(tmp_path, cache=False))
+    assert counts["hits"] == 2
+    second = export(tmp_path, "chrome", tmp_path / "b.json")  # its comm plan from the cached states
+    assert counts["hits"] == 4
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    third = export(tmp_path, "chrome", tmp_path / "c.json", cache=False)
+    assert counts["hits"] == 4 and (tmp_path / "c.json").read_bytes() == (tmp_path / "a.json").read_bytes()
+    assert first.slices == second.slices == third.slices

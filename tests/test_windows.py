@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from analysis_fixtures import Proc, write_run
+from otel_train import schema
 from otel_train.analysis.reading import window
 from otel_train.analysis.records import Reader, find_process_files
 from otel_train.analysis.spans import Run, iter_processes, keep_steps, load_run, read_process, restrict
@@ -187,3 +188,104 @@ def test_an_enclosing_span_that_ends_far_from_the_tail_is_found(tmp_path: Path) 
     assert _spans(win) == _spans([full])
     train = [s for s in _spans(win) if s[1] == "train"]
     assert len(train) == 1 and train[0][6] == "ok" and train[0][5] is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# export --steps: the window's slices, flows and marks equal the same steps of a full export
+
+
+def _comm_procs(n_steps: int = 120) -> list[Proc]:
+    procs = []
+    for rank in range(4):
+        p = Proc(rank=rank, world_size=4)
+        p.instant(schema.INSTANT_COMM_GROUP, group="0", desc="default_pg", ranks=[0, 1, 2, 3])
+        p.start("train")
+        for s in range(n_steps):
+            p.set_step(s)
+            p.start("step")
+            p.advance(1.0)
+            p.start("forward")
+            p.advance(20.0 + (7.0 if rank == 2 and s % 3 == 0 else 0.0))
+            p.end()
+            p.start("backward")
+            p.advance(10.0)
+            p.start("comm.all_reduce", **{schema.ATTR_COMM_GROUP: "0", schema.ATTR_COMM_SEQ: s,
+                                          schema.ATTR_COMM_BYTES: 4096, schema.ATTR_COMM_DTYPE: "float32"})
+            p.advance(5.0 + rank * 0.25)
+            p.end()
+            p.end()
+            p.scalar({"loss": 1.0 / (s + 1)})
+            p.advance(1.0)
+            p.end()
+        p.end()
+        p.shutdown()
+        procs.append(p)
+    return procs
+
+
+@pytest.fixture(scope="module")
+def comm_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("comm-windows")
+    write_run(d, _comm_procs(), lines_per_segment=500)
+    return d
+
+
+def _slices(trace: dict, lo: int, hi: int | None = None) -> dict[str, tuple]:
+    """Span id -> (name, ts, dur, pid, tid, args without the flow id) of the X events (of steps lo..hi)."""
+    out = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] != "X":
+            continue
+        step = e["args"].get("step")
+        if hi is not None and step is not None and not lo <= step <= hi:
+            continue
+        args = {k: v for k, v in e["args"].items() if k != "bind_id"}
+        out[e["args"]["span_id"]] = (e["name"], e["ts"], e["dur"], e["pid"], e["tid"], json.dumps(args, sort_keys=True),
+                                     "bind_id" in e or "bind_id" in e["args"])
+    return out
+
+
+def _flow_groups(trace: dict, ids: set[str]) -> set[frozenset[str]]:
+    groups: dict[str, set[str]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X" and e["args"]["span_id"] in ids and "bind_id" in e:
+            groups.setdefault(e["bind_id"], set()).add(e["args"]["span_id"])
+    return {frozenset(g) for g in groups.values()}
+
+
+def _chrome(run: Path, out: Path, **kw: object) -> dict:
+    from otel_train.analysis.export import export
+
+    export(run, "chrome", out, **kw)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("lo,hi", [(50, 59), (0, 2), (117, 119)])
+def test_an_exported_window_equals_the_same_steps_of_a_full_export(comm_run: Path, tmp_path: Path,
+                                                                   lo: int, hi: int) -> None:
+    full = _chrome(comm_run, tmp_path / "full.json", cache=False)
+    win = _chrome(comm_run, tmp_path / "win.json", steps=(lo, hi), cache=False)
+    got, want = _slices(win, lo), _slices(full, lo, hi)
+    assert got == want
+    assert sum(1 for s in got.values() if s[0] == "comm.all_reduce") == 4 * (hi - lo + 1)
+    assert sum(1 for s in got.values() if s[0] == "train") == 4  # the enclosing span, whole
+    flows = _flow_groups(win, set(got))
+    assert flows == _flow_groups(full, set(got)) and len(flows) == hi - lo + 1
+    counters = [e for e in win["traceEvents"] if e["ph"] == "C"]
+    assert len(counters) == 4 * (hi - lo + 1)
+
+
+def test_an_exported_window_reads_the_window_only(comm_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                  ) -> None:
+    import otel_train.analysis.export as exp
+
+    def no_scan(*_a: object, **_k: object) -> None:
+        raise AssertionError("a window's comm plan scans the whole run")
+
+    monkeypatch.setattr(exp, "scan_comm", no_scan)
+    read: list[int] = []
+    exp.export(comm_run, "perfetto", tmp_path / "w.pftrace", steps=(60, 62), reader=Reader(progress=read.append),
+               cache=False)
+    pfs = find_process_files(comm_run)
+    planned = sum(window.plan(pf, 60, 62).nbytes for pf in pfs)  # type: ignore[union-attr]
+    assert sum(read) == planned < sum(pf.size for pf in pfs) / 3  # each window read once

@@ -29,9 +29,8 @@ from typing import IO
 from otel_train import _modes, schema
 from otel_train.analysis.clock import Clock
 from otel_train.analysis.export import chrome, perfetto
-from otel_train.analysis.export.flows import CommPlan, ProcessMarks, comm_plan
+from otel_train.analysis.export.flows import CommPlan, ProcessMarks, comm_plan, scan_comm
 from otel_train.analysis.export.layout import Counts, ProcessLayout, layout_process
-from otel_train.analysis.export.flows import scan_comm
 from otel_train.analysis.reading import window
 from otel_train.analysis.reading.cache import Cache, identify, made, uses
 from otel_train.analysis.records import Head, ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
@@ -48,7 +47,7 @@ _RENDERERS: dict[str, ModuleType] = {"chrome": chrome, "perfetto": perfetto}
 process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malformed_lines)``."""
 
 Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None", "Clock | None",
-             bool]
+             bool, "window.Plan | None"]
 RAW_TS = "raw_ts"
 """The arg holding a record's own time (Unix s) where the export moved it onto the reference clock."""
 
@@ -111,11 +110,7 @@ def export(
         os.close(_modes.create(tmp))  # made 0644 at most, whatever the umask (otel_train._modes)
         with tmp.open("wb", buffering=1 << 20) as f:
             if fmt in _RENDERERS:
-                order = process_order(path, ranks, reader.bad.warn)
-                plan = _comm_plan(path, order, fr, reader, align, steps, cache)
-                origin_us = int(_aligned_origin(origin, plan.clock) * 1e6)
-                counts = _write_rendered(_RENDERERS[fmt], fmt, order, plan, f, origin_us, reader, steps, workers,
-                                         cache)
+                counts, plan = _rendered(path, fmt, f, origin, ranks, fr, reader, align, steps, workers, cache)
             else:
                 from otel_train.analysis.export import otlp_json  # the OTel/protobuf stack: only when asked
 
@@ -133,28 +128,68 @@ def export(
 
 
 
-def _comm_plan(path: str | Path, order: list[tuple[ProcessFiles, int, Head | None]], fr: str | Path | None,
-               reader: Reader, align: bool, steps: tuple[int, int] | None, cache: bool) -> CommPlan:
-    """The comm plan from the states of :func:`plan_states`; the dumps' folder declared before it is read."""
-    run = plan_states(path, steps, cache)
+def _rendered(path: str | Path, fmt: str, f: IO[bytes], origin: float, ranks: set[int] | None, fr: str | Path | None,
+              reader: Reader, align: bool, steps: tuple[int, int] | None, workers: int | None, cache: bool
+              ) -> tuple[Counts, CommPlan]:
+    """A format of :data:`_RENDERERS` written to ``f``: the comm plan, then each process. A small window
+    is read once: its exported processes' states serve the plan and the rendering."""
+    everyone = process_order(path, None, reader.bad.warn)
+    order = [item for item in everyone if ranks is None or item[0].rank in ranks]
+    plans = Plans(steps)
+    small = steps is not None and sum(plans.size(pf) for pf, _, _ in order) < PARALLEL_MIN_BYTES
+    run = plan_states(everyone, plans, Cache(logs_dir(path), enabled=cache), reader if small else None,
+                      {pf for pf, _, _ in order} if small else set())
     folder = Path(fr) if fr is not None else default_fr(path, run)
-    uses(folder)
+    uses(folder)  # a remembered export depends on the dumps, there or not (reading/cache.py)
 
     def load() -> Run:
         return load_run(path, warn=_quiet, steps=steps, cache=cache)
 
-    return comm_plan(path, order, folder, reader.bad.warn, align, run=run, load=load)
+    plan = comm_plan(path, order, folder, reader.bad.warn, align, run=run, load=load)
+    origin_us = int(_aligned_origin(origin, plan.clock) * 1e6)
+    counts = _write_rendered(_RENDERERS[fmt], fmt, order, plan, f, origin_us, reader, steps, workers, cache, plans)
+    return counts, plan
 
 
-def plan_states(path: str | Path, steps: tuple[int, int] | None, cache: bool) -> Run:
-    """What the comm plan is made from, for every process of the run (exported or not): with ``steps``,
-    each process's window read (its comm ops, groups and mesh; docs/analysis.md, "Reading"); else its
-    state in the read cache when served exactly, or its comm records (a byte search, :func:`scan_comm`)."""
-    everyone = process_order(path, warn=_quiet)
-    if steps is not None:
-        states = [read_process(pf, attempt, Reader(warn=_quiet), steps=steps, meta=meta) for pf, attempt, meta in everyone]
+class Plans(dict):
+    """Each process's window plan (:func:`window.plan`), made once per export (none without ``steps``),
+    and the states read already (``read``: a small window's exported processes, ``keep=True``)."""
+
+    def __init__(self, steps: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.steps = steps
+        self.read: dict[ProcessFiles, ProcessState] = {}
+
+    def of(self, pf: ProcessFiles) -> window.Plan | None:
+        """The plan of ``pf``'s window (None: no window, or steps that are not monotone: read whole)."""
+        if self.steps is None:
+            return None
+        if pf not in self:
+            self[pf] = window.plan(pf, *self.steps)
+        return self[pf]  # type: ignore[no-any-return]
+
+    def size(self, pf: ProcessFiles) -> int:
+        """The bytes of ``pf`` the export reads: its window's, or all of them."""
+        plan = self.of(pf)
+        return plan.nbytes if plan is not None else pf.size
+
+
+def plan_states(everyone: list[tuple[ProcessFiles, int, Head | None]], plans: Plans, store: Cache,
+                reader: Reader | None = None, keep: set[ProcessFiles] | frozenset = frozenset()) -> Run:
+    """What the comm plan is made from, for every process of the run (exported or not): with a window,
+    each process's window read (its comm ops, groups and mesh; docs/analysis.md, "Reading"), those in
+    ``keep`` read whole (``keep=True``, by ``reader``) and kept in ``plans.read`` for the rendering; else
+    its state in the read cache (``store``) when served exactly, or its comm records (a byte search, :func:`scan_comm`)."""
+    if plans.steps is not None:
+        states = []
+        for pf, attempt, meta in everyone:
+            kept = pf in keep and reader is not None
+            state = read_process(pf, attempt, reader if kept else Reader(warn=_quiet), keep=kept,  # type: ignore[arg-type]
+                                 steps=plans.steps, meta=meta, plan=plans.of(pf))
+            if kept:
+                plans.read[pf] = state
+            states.append(state)
         return Run([s for s in states if s.records])
-    store = Cache(logs_dir(path), enabled=cache)
     states = []
     for pf, attempt, meta in everyone:
         hit = store.lookup(pf)
@@ -226,23 +261,25 @@ def _write_rendered(
     steps: tuple[int, int] | None,
     workers: int | None,
     cache: bool = True,
+    plans: Plans | None = None,
 ) -> Counts:
     """The whole run, process ``i`` of the run's order with pid ``i + 1``: rendered here, or for a large
     run (a large window) by a pool of workers into part files appended here in order."""
-    sizes = [read_size(pf, steps) for pf, _, _ in order]
+    plans = plans if plans is not None else Plans(steps)
+    sizes = [plans.size(pf) for pf, _, _ in order]
     workers = min(workers or os.cpu_count() or 1, len(order))
     f.write(renderer.HEAD)
     totals = Counts(0, 0, 0, 0)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
         for index, (pf, attempt, meta) in enumerate(order):
             lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt), plan.clock,
-                          cache)
+                          cache, plans.of(pf), plans.read.pop(pf, None))
             if lay is not None:
                 if totals.processes:
                     f.write(renderer.SEPARATOR)
                 totals = _add(totals, renderer.render(lay, origin_us, f))
     else:
-        for counts, part in _pooled(order, sizes, fmt, plan, f, origin_us, reader, steps, workers, cache):
+        for counts, part in _pooled(order, sizes, fmt, plan, f, origin_us, reader, steps, workers, cache, plans):
             if totals.processes:
                 f.write(renderer.SEPARATOR)
             with open(part, "rb") as src:
@@ -253,27 +290,24 @@ def _write_rendered(
     return totals
 
 
-def read_size(pf: ProcessFiles, steps: tuple[int, int] | None) -> int:
-    """The bytes of ``pf`` an export reads: all of them, or its window's (:func:`window.plan`)."""
-    plan = window.plan(pf, *steps) if steps is not None else None
-    return plan.nbytes if plan is not None else pf.size
-
-
 def _add(a: Counts, b: Counts) -> Counts:
     return Counts(*(x + y for x, y in zip(a, b)))
 
 
 def _layout(pf: ProcessFiles, attempt: int, index: int, reader: Reader, steps: tuple[int, int] | None,
             meta: Head | None = None, marks: ProcessMarks | None = None, clock: Clock | None = None,
-            cache: bool = False) -> ProcessLayout | None:
+            cache: bool = False, window_plan: window.Plan | None = None, state: ProcessState | None = None
+            ) -> ProcessLayout | None:
     """One process read and laid out (None without a valid record), with its comm marks (the ops only a
     dump saw, culprit instants, flows), on the reference clock (``clock``). Only the layout is
     returned: the records are freed before anything is written. ``cache``: a process read whole is
-    kept in the read cache (:func:`_read_kept`)."""
-    if cache and steps is None:
+    kept in the read cache (:func:`_read_kept`). ``state``: the process read already."""
+    if state is not None:
+        pass
+    elif cache and steps is None:
         state = _read_kept(pf, attempt, reader, meta)
     else:
-        state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta)
+        state = read_process(pf, attempt, reader, keep=True, steps=steps, meta=meta, plan=window_plan)
     if not state.records:
         return None
     if marks is not None:
@@ -318,13 +352,14 @@ def _pooled(
     steps: tuple[int, int] | None,
     workers: int,
     cache: bool = True,
+    plans: Plans | None = None,
 ) -> Iterator[tuple[Counts, str]]:
     """Each process with records, in order: its counts and the part file it was rendered into, by a
     pool of ``workers - 1`` processes and by this one (see :class:`_Schedule`)."""
     stem = str(Path(f.name).with_suffix(".part"))  # type: ignore[attr-defined]
     tasks: list[Task] = [(pf, attempt, index, origin_us, steps, fmt, f"{stem}{index}",
-                          plan.of(pf.source, pf.rank, attempt), plan.clock, cache)
-                         for index, (pf, attempt, _) in enumerate(order)]
+                          plan.of(pf.source, pf.rank, attempt), plan.clock, cache,
+                          plans.of(pf) if plans is not None else None) for index, (pf, attempt, _) in enumerate(order)]
     try:
         with ProcessPoolExecutor(workers - 1, mp_context=pool_context()) as pool:
             schedule = _Schedule(pool, tasks, 2 * (workers - 1))  # one running, one waiting per worker
@@ -366,10 +401,10 @@ class _Schedule:
 
 def _render_task(task: Task) -> tuple[Counts, int, list[str], str | None]:
     """Worker: read, lay out and render one process into a part file; (counts, malformed, warnings, part)."""
-    pf, attempt, index, origin_us, steps, fmt, part, marks, clock, cache = task
+    pf, attempt, index, origin_us, steps, fmt, part, marks, clock, cache, window_plan = task
     warnings: list[str] = []
     reader = Reader(warn=warnings.append)
-    lay = _layout(pf, attempt, index, reader, steps, marks=marks, clock=clock, cache=cache)
+    lay = _layout(pf, attempt, index, reader, steps, marks=marks, clock=clock, cache=cache, window_plan=window_plan)
     if lay is None:
         return Counts(0, 0, 0, 0), reader.malformed_lines, warnings, None
     with open(part, "wb", buffering=1 << 20) as out:

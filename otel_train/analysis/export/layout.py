@@ -376,14 +376,16 @@ def _span_columns(trace: ProcessState, names: Codes, statuses: Codes, attrs: Cod
     spans = trace.spans
     n = len(spans)
     start = np.fromiter((s.start_ts for s in spans), np.float64, n)
-    if n > 1 and bool((start[1:] < start[:-1]).any()):
-        order = np.argsort(start, kind="stable")
-        spans = trace.spans = [spans[i] for i in order]
-        start = start[order]
     closed = np.array([s.end_ts for s in spans], np.float64)  # None (still open) -> nan
     last = trace.last_ts if trace.last_ts is not None else 0.0
     # Unclosed spans run to the last timestamp; a clock step backwards never gives a negative length.
     end = np.maximum(start, np.where(np.isnan(closed), last, closed))
+    if n > 1:  # start order; of two that start together the longer first (a parent and its first child)
+        gap = start[1:] - start[:-1]
+        if bool((gap < 0).any()) or bool(((gap == 0) & (end[1:] > end[:-1])).any()):
+            order = np.lexsort((-end, start))
+            spans = trace.spans = [spans[i] for i in order]
+            start, closed, end = start[order], closed[order], end[order]
     ids = [s.span_id for s in spans]
     position = dict(zip(ids, range(n)))
     name_codes = names([s.name for s in spans])
