@@ -539,7 +539,8 @@ def build(group: Sequence[ProcessState], clock: Clock | None = None, window: Win
     phases = list(names.phases)
     edges, kinds, blocks, item_node = _edges(flat, jn, len(phases), len(group) * len(phases))
     graph = _assemble(flat, edges, blocks, item_node, [d.rank for d in group], phases)
-    graph.kind = kinds[np.argsort(blocks, kind="stable")]
+    graph.kind = kinds[np.argsort(np.searchsorted(graph.steps, blocks).astype(np.int16 if graph.steps.size < (1 << 15)
+                                                                           else np.int64), kind="stable")]
     graph.mesh = {i: dict(d.mesh) for i, d in enumerate(group) if d.mesh}
     graph.collective = {phases[int(i)] for i in np.unique(flat.o_name)}
     return graph
@@ -550,6 +551,7 @@ def _assemble(flat: Flat, edges: list[np.ndarray], blocks: np.ndarray, item_node
     """Nodes sorted by block, edges by their destination's block; each block's exits and measured T."""
     steps, bidx = np.unique(blocks, return_inverse=True)
     nb = steps.size
+    bidx = bidx.astype(np.int16 if nb < (1 << 15) else np.int64)  # a stable sort of int16 is a radix sort
     order = np.argsort(bidx, kind="stable")
     new = np.empty(order.size, np.int64)
     new[order] = np.arange(order.size)
