@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from otel_train import _modes, _report
+from otel_train._clock import now_ns
 from otel_train import schema as S
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
 from otel_train.sketch import GAMMA
@@ -54,7 +55,7 @@ class DigestWriter:
                 return
             seq, (ino, size), entries = point
             body = {
-                "v": DIGEST_VERSION, "ts": time.time(), "seq": seq, "file": {"ino": ino, "size": size},
+                "v": DIGEST_VERSION, "ts": now_ns() / 1e9, "seq": seq, "file": {"ino": ino, "size": size},
                 "open": [_open_span(*entry) for entry in entries],
                 "gamma": GAMMA, "phases": sketch.snapshot(),
             }

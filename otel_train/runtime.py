@@ -390,7 +390,7 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 def _start_lifecycle(rt: _Runtime) -> None:
-    from otel_train import lifecycle, logbridge
+    from otel_train import _clock, lifecycle, logbridge
     from otel_train.telemetry import TelemetrySampler
 
     settings = rt.settings
@@ -398,6 +398,7 @@ def _start_lifecycle(rt: _Runtime) -> None:
         attrs = lifecycle.process_start_attrs(settings, rt.ctx)
         if rt.comm is not None:
             attrs["comm"] = dict(rt.comm.status)
+        attrs["clock"] = _clock.anchor()  # the records' clock (docs/clock.md): which wall time it started from
         rt.jsonl.instant(S.INSTANT_PROCESS_START, attrs)
     rt.undo.append(lifecycle.install_exception_hooks())
     if settings.log_bridge:

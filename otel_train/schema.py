@@ -65,6 +65,7 @@ INSTANT_PROCESS_END = "process_end"  # written by shutdown(): its absence means 
 INSTANT_EXCEPTION = "exception"  # an uncaught exception
 INSTANT_HEARTBEAT = "heartbeat"  # the watchdog saw no record for heartbeat_s
 INSTANT_STALL = "stall"  # a span passed its stall threshold (with every thread's stack)
+INSTANT_CLOCK_STEP = "clock_step"  # the wall clock moved away from the records' clock (docs/clock.md)
 INSTANT_SPANS_DROPPED = "otel_train.spans_dropped"
 INSTANT_WRITE_ERRORS = "otel_train.write_errors"
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from time import time_ns
 from typing import Any, Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
@@ -22,6 +21,7 @@ from opentelemetry.sdk.trace import Event, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from otel_train._clock import now_ns
 from otel_train._report import safe_str
 from otel_train._values import clean_text, otel_attributes
 
@@ -45,7 +45,7 @@ class LeanSpan(trace.Span):
         self._events: list[Event] | None = None
         self._end_time: int | None = None
         self._processor = processor
-        self._start_time = time_ns()
+        self._start_time = now_ns()  # the runtime's clock: a wall-clock step moves no span (docs/clock.md)
 
     # The public read side, as on SDK ReadableSpan, for processors that use it.
     name = property(lambda self: self._name)
@@ -108,7 +108,7 @@ class LeanSpan(trace.Span):
     def end(self, end_time: int | None = None) -> None:
         if self._end_time is not None:
             return
-        self._end_time = time_ns() if end_time is None else end_time
+        self._end_time = now_ns() if end_time is None else end_time
         if self._processor is not None:
             self._processor.on_end(self)  # type: ignore[arg-type]
 

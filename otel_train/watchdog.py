@@ -31,7 +31,7 @@ import time
 from types import FrameType
 from typing import Any, Protocol
 
-from otel_train import _report, sketch
+from otel_train import _clock, _report, sketch
 from otel_train.digest import DigestWriter
 from otel_train import schema as S
 from otel_train.stall import MAX_STALLS_PER_SPAN, stall_threshold
@@ -204,6 +204,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._seen_seq = -1
         self._quiet_since = time.monotonic()
+        self._wall_offset = _clock.wall_offset_ns()  # the wall clock against the records' at the last look
         self._stalls: dict[int, _Stall] = {}
         # Called with the span's name after each stall record (the comm recorder dumps Flight Recorder).
         self.on_stall: Any = None
@@ -241,8 +242,19 @@ class Watchdog:
         if self.digest is not None:
             self.digest.maybe(self._sink, self.sketch)  # type: ignore[arg-type]
         open_spans = self._sink.open_spans()
-        self._check_stalls(open_spans, time.time_ns())
+        self._check_clock()
+        self._check_stalls(open_spans, _clock.now_ns())
         self._check_quiet(open_spans, time.monotonic())
+
+    def _check_clock(self) -> None:
+        """A ``clock_step`` instant when the wall clock moved away from the records' clock (docs/clock.md):
+        by how much (``step_s``, since the last look; ``offset_s``, since the anchor), and the anchor."""
+        offset = _clock.wall_offset_ns()
+        step, self._wall_offset = offset - self._wall_offset, offset
+        if abs(step) <= _clock.STEP_NS:
+            return  # a slewing NTP moves the wall clock 0.5 ms a second at most: never this much between looks
+        self._sink.instant_for(S.INSTANT_CLOCK_STEP, {
+            "step_s": round(step / 1e9, 3), "offset_s": round(offset / 1e9, 3), "clock": _clock.anchor()})
 
     def _check_quiet(self, open_spans: list[tuple[int, str, int, int]], now: float) -> None:
         seq = self._sink.records_written

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from time import time_ns
 from types import CodeType
 from typing import Any, Mapping
 
@@ -17,8 +16,10 @@ import msgspec
 from opentelemetry.trace import SpanContext, StatusCode
 
 from otel_train import schema as S
+from otel_train._clock import from_wall, now_ns
 from otel_train._values import clean_text, json_safe
 from otel_train.context import StepState, call_site
+from otel_train.spans import LeanSpan
 
 INCOMPLETE_ATTR = S.ATTR_INCOMPLETE
 
@@ -164,6 +165,8 @@ class RecordEncoder:
         head = self._start_heads.get(name) or self._span_head(self._start_heads, S.SPAN_START, S.START_SUFFIX, name)
         attributes = span._attributes
         ns = span._start_time
+        if type(span) is not LeanSpan:  # an SDK span: its wall-clock start, now on the runtime's clock
+            ns = span._start_time = from_wall(ns)
         return (_START_LINE % (
             ns // 1_000_000_000, ns // 1000 % 1_000_000, head, body, seq, caller,
             self._attrs(attributes) if attributes else "")).encode()
@@ -175,11 +178,13 @@ class RecordEncoder:
         name = span._name
         head = self._end_heads.get(name) or self._span_head(self._end_heads, S.SPAN_END, S.END_SUFFIX, name)
         start, end = span._start_time, span._end_time
+        if end is not None and type(span) is not LeanSpan:  # an SDK span's wall-clock end, just taken
+            end = span._end_time = from_wall(end)
         attributes = span._attributes
         if attributes and attributes.get(INCOMPLETE_ATTR) or incomplete:
             status = _INCOMPLETE
             if end is None:  # ended by shutdown without its own end()
-                end = time_ns()
+                end = now_ns()
         elif span._status.status_code is StatusCode.ERROR:
             status = _ERROR + _frag(S.ERROR, _error_of(span))
         else:

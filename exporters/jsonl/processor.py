@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from time import time_ns
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
@@ -17,6 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_train import _report
+from otel_train._clock import now_ns as time_ns  # the runtime's one clock (docs/clock.md)
 from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train.context import StepState

@@ -201,9 +201,10 @@ class LiveProcess:
     """One process instance being followed: its span-model state and what only a live reader knows."""
 
     __slots__ = ("state", "thresholds", "restarts_left", "progress_ts", "local", "dead", "silent", "gone_at",
-                 "_limits", "skew")
+                 "_limits", "skew", "_elapsed", "_read")
 
-    def __init__(self, state: ProcessState, local: bool) -> None:
+    def __init__(self, state: ProcessState, local: bool,
+                 elapsed: Callable[[float], float] = lambda now: time.monotonic()) -> None:
         self.state = state
         self.thresholds = DEFAULT_THRESHOLDS
         self.restarts_left = 0  # attempts the launcher may still start after this one
@@ -214,6 +215,25 @@ class LiveProcess:
         self.gone_at: float | None = None  # when it ended or died (watch's clock)
         self._limits: dict[str, tuple[int, float]] = {}  # name -> (durations seen, threshold)
         self.skew = 0.0  # watch's clock minus its host's clock, when that host's is off (docs/clock.md)
+        self._elapsed = elapsed  # watch's monotonic time (a test's clock: that clock)
+        self._read: tuple[float, float] | None = None  # (its clock, watch's elapsed time) at the latest read
+
+    def mark_read(self, now: float, raw: bool = False) -> None:
+        """After a read that brought records: where its clock stood then (:meth:`clock`); ``raw``
+        (``--no-align``): watch's clock as it is, a writer ahead of it in its future."""
+        last = self.state.last_ts
+        if last is not None:
+            self._read = (now - self.skew if raw else max(last, now - self.skew), self._elapsed(now))
+
+    def clock(self, now: float) -> float:
+        """Now on this process's own clock (docs/watch.md, "Clocks"): where it stood at the latest read
+        (watch's clock less the host's skew, but never before the newest record: a writer's clock ahead
+        of watch's is not in watch's future) plus watch's monotonic time since, so a step of either
+        wall clock moves no threshold."""
+        if self._read is None:
+            return now - self.skew
+        at, then = self._read
+        return at + (self._elapsed(now) - then)
 
     @property
     def finished(self) -> bool:
@@ -245,7 +265,7 @@ class LiveProcess:
         inner = self.state.innermost
         if inner is None or inner.status != STATUS_OPEN:
             return False
-        open_s = now - self.skew - inner.start_ts
+        open_s = self.clock(now) - inner.start_ts
         if open_s < self.thresholds.stall_min_s:
             return False
         if inner.span_id in self.state.stalls:
@@ -257,7 +277,7 @@ class LiveProcess:
         inner = self.state.innermost
         if inner is None or inner.status != STATUS_OPEN or inner.span_id in self.state.stalls or not self._watched():
             return False
-        return now - self.skew - inner.start_ts < self._threshold(inner.name) + STALL_RECORD_GRACE_S
+        return self.clock(now) - inner.start_ts < self._threshold(inner.name) + STALL_RECORD_GRACE_S
 
     def _watched(self) -> bool:
         # Its watchdog is on and still writes (it is neither silent nor gone).
@@ -277,7 +297,7 @@ class LiveProcess:
     def open_for(self, now: float) -> float | None:
         """Seconds its innermost open span has been open."""
         inner = self.state.innermost
-        return None if inner is None or self.finished else max(0.0, now - self.skew - inner.start_ts)
+        return None if inner is None or self.finished else max(0.0, self.clock(now) - inner.start_ts)
 
     def status(self, now: float) -> str:
         """ended, dead, silent, stalled or running."""
@@ -357,6 +377,8 @@ class LiveRun:
         self._clock_next = 0.0
         self.align = align
         self._file_clock = align and clock is time.time  # file times are on the real clock, not a test's
+        # Watch's own monotonic time, for how long since it read a process (an injected clock is its own).
+        self._elapsed: Callable[[float], float] = (lambda now: time.monotonic()) if clock is time.time else (lambda now: now)
         self._clock_ops = -1
         self._host_lag: dict[str | None, float] = {}  # host -> least (file mtime - newest record ts) seen
         self._sizes: dict[tuple[str, int, str], int] = {}  # each process's newest file size at the last read
@@ -394,6 +416,9 @@ class LiveRun:
         for pf, records in batches:
             self._dirty |= self.procs[pf.key].take(records)
         self._update_skew(batches)
+        for pf, records in batches:
+            if records:
+                self.procs[pf.key].mark_read(now, raw=not self.align)
         self._dirty |= self._update_comm({pf.key for pf, _ in batches}, now)
         self._update_clock(now)
         self._update_liveness(now)
@@ -517,7 +542,7 @@ class LiveRun:
             lp.state.attempt = attempts[self._pfs[key]]
         for pf in pfs:
             state = ProcessState.of(pf, attempts[pf], meta=self._heads[pf.key])
-            self.procs[pf.key] = LiveProcess(state, self.probe.is_local(state.host, state.pid))
+            self.procs[pf.key] = LiveProcess(state, self.probe.is_local(state.host, state.pid), self._elapsed)
         self._dirty = True
 
     def _of_run(self, pfs: list[ProcessFiles]) -> list[ProcessFiles]:
@@ -542,7 +567,7 @@ class LiveRun:
                     lp.gone_at = now
                 continue
             state, th = lp.state, lp.thresholds
-            quiet = now - lp.skew - (state.last_ts or now - lp.skew)
+            quiet = lp.clock(now) - (state.last_ts or lp.clock(now))
             if lp.local:
                 lp.dead = not self.probe.alive(state.pid, state.first_ts)  # type: ignore[arg-type]
                 lp.silent = not lp.dead and quiet >= th.silence_s
@@ -566,9 +591,8 @@ class LiveRun:
         if not live:
             return False
         th = live[0].thresholds
-        # On watch's clock: each process's times shifted by its host's skew (docs/clock.md).
-        progress = max((lp.progress_ts or lp.state.first_ts or now - lp.skew) + lp.skew for lp in group)
-        quiet = now - progress
+        # Each process on its own clock (LiveProcess.clock): the time since the group's latest progress.
+        quiet = min(lp.clock(now) - (lp.progress_ts or lp.state.first_ts or lp.clock(now)) for lp in group)
         if quiet < th.stall_min_s:
             return False
         if quiet < self._run_threshold(group, th):

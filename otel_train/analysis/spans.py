@@ -243,6 +243,14 @@ def _mesh_of(attrs: dict[str, Any] | None) -> dict[str, tuple[int, int]]:
         return {}
     return {str(k): (v, coords[k]) for k, v in dims.items()
             if _int(v) is not None and _int(coords.get(k)) is not None}
+def _anchor_of(clock: Any) -> int | None:
+    """A process_start's ``clock`` ({wall_ns, mono_ns}) as wall minus monotonic ns; None when absent or odd."""
+    if not isinstance(clock, dict):
+        return None
+    wall, mono = clock.get("wall_ns"), clock.get("mono_ns")
+    return wall - mono if type(wall) is int and type(mono) is int else None
+
+
 _ts = attrgetter("ts")
 _start_ts = attrgetter("start_ts")
 
@@ -258,7 +266,7 @@ class ProcessState:
         "phases", "parents", "errors", "incomplete", "stalls", "opened",
         "spans", "instants", "scalars", "_sinks",
         "comm", "comm_groups", "mesh", "_comm_sinks", "_comm_phase",
-        "epochs", "_epoch", "_shift", "_top", "_offsets",
+        "epochs", "_epoch", "_shift", "_top", "_offsets", "clock_anchor", "clock_steps",
     )
 
     def __init__(self, source: str, rank: int, attempt: int, instance: str = "", *, keep: bool = False) -> None:
@@ -305,6 +313,10 @@ class ProcessState:
         self._shift = 0
         self._top = -1
         self._offsets: dict[int, int] = {}
+        # The records' clock (docs/clock.md, "Clock steps"): its anchor's wall minus monotonic time (ns),
+        # from process_start; and the wall-clock steps the watchdog saw (clock_step: ts, step_s).
+        self.clock_anchor: int | None = None
+        self.clock_steps: list[tuple[float, float]] = []
 
     @classmethod
     def of(cls, pf: ProcessFiles, attempt: int, *, keep: bool = False, meta: Head | None = None) -> ProcessState:
@@ -376,15 +388,16 @@ class ProcessState:
             elif keep:
                 self.scalars.append(rec)  # type: ignore[arg-type]
         self.last_closed = last_closed
+        self._tally(items)
+        self._track_steps(items)
+
+    def _tally(self, items: list[AnyRecord]) -> None:
+        """After a batch: the record count, the last event and the latest time."""
         self.records += len(items)
-        last = items[-1]
-        self.last_event = last.event
+        self.last_event = items[-1].event
         top = max(map(_ts, items))
         if self.last_ts is None or top > self.last_ts:
             self.last_ts = top
-        self._track_steps(items)
-        if self.final_step is not None and self.final_step > self._top:
-            self._top = self.final_step
 
     def _renumber(self, rec: AnyRecord, batch: list[AnyRecord]) -> None:
         """A record whose epoch is not the current one: number its step (docs/analysis.md, "The span model").
@@ -422,6 +435,8 @@ class ProcessState:
                 if r.relative_step is not None:  # the step is numbered across epochs: so is this
                     self.relative_step = r.relative_step + (self._offsets.get(r.epoch, 0) if r.epoch is not None else 0)
                 break
+        if self.final_step is not None and self.final_step > self._top:
+            self._top = self.final_step
 
     def _sink(self, name: str, rec: SpanEnd | None = None, started: SpanStart | None = None,
               last_closed: str | None = None) -> tuple[Callable[[Any], None], ...]:
@@ -505,6 +520,11 @@ class ProcessState:
         elif name == schema.INSTANT_PROCESS_START:
             settings = (rec.attrs or {}).get("settings")
             self.settings = settings if isinstance(settings, dict) else {}
+            self.clock_anchor = _anchor_of((rec.attrs or {}).get("clock"))
+        elif name == schema.INSTANT_CLOCK_STEP:
+            step = (rec.attrs or {}).get("step_s")
+            if type(step) in (int, float):
+                self.clock_steps.append((rec.ts, float(step)))
         elif name == schema.INSTANT_HEARTBEAT:
             self.last_heartbeat_ts = rec.ts
         elif name == schema.INSTANT_STALL:
@@ -952,7 +972,33 @@ def load_run(
             states.append(state)
     states = [s for s in states if s.records]
     states.sort(key=lambda s: (s.rank, s.attempt, s.source))
+    clock_domains(states)
     return Run(states, reader.malformed_lines)
+
+
+ANCHOR_TOLERANCE_NS = 100_000_000
+"""Processes of one host whose clocks' anchors differ by more than this (a wall-clock step between their
+starts; a slewing NTP moves 0.5 ms a second) are clocks of their own (:func:`clock_domains`)."""
+
+
+def clock_domains(states: list[ProcessState]) -> None:
+    """Split a host whose processes anchored their clocks on different wall times (one started after a
+    step of the host's wall clock) into clocks of their own: the processes of the first anchor keep the
+    host's name, those of the k-th later one become ``host#k``, which the clock estimate aligns like any
+    other host (docs/clock.md, "Clock steps"). Processes without an anchor (traces from before it) stay."""
+    by_host: dict[str | None, list[ProcessState]] = {}
+    for d in states:
+        if d.clock_anchor is not None:
+            by_host.setdefault(d.host, []).append(d)
+    for host, members in by_host.items():
+        anchors: list[int] = []  # one per domain, in order of the processes' first records
+        for d in sorted(members, key=lambda d: d.first_ts or 0.0):
+            k = next((i for i, a in enumerate(anchors) if abs(d.clock_anchor - a) <= ANCHOR_TOLERANCE_NS), None)  # type: ignore[operator]
+            if k is None:
+                k = len(anchors)
+                anchors.append(d.clock_anchor)  # type: ignore[arg-type]
+            if k:
+                d.host = f"{host}#{k}"
 
 
 def pool_context() -> multiprocessing.context.BaseContext:

@@ -13,8 +13,9 @@ import contextvars
 import threading
 from collections import deque
 from threading import get_native_id
-from time import time_ns
 from typing import Any
+
+from otel_train._clock import now_ns as time_ns  # the runtime's one clock (docs/clock.md)
 
 MAX_QUEUED = 1 << 16
 """Notes the recorder has not taken yet; beyond, the oldest are dropped (a recorder that cannot keep up

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
 
+from otel_train._clock import from_foreign, now_ns  # the runtime's one clock (docs/clock.md)
 from otel_train import _report
 from otel_train import context as step_context
 from otel_train import schema as S
@@ -97,7 +98,7 @@ class Recorder:
     def on_step(self, step: int) -> None:
         """A step listener (the training thread, once per step): remember when each step began."""
         times, states = self._step_times, self._step_states
-        times.append(time.time_ns())
+        times.append(now_ns())
         states.append(step_context.current())
         if len(times) > 2 * STEP_HISTORY:  # keep the latest STEP_HISTORY (the recorder reads both lists)
             self._step_times, self._step_states = times[-STEP_HISTORY:], states[-STEP_HISTORY:]
@@ -148,7 +149,7 @@ class Recorder:
             self._end_finished()
             if counters is not None:
                 if self._open_entries is not None:
-                    self._snapshots.append((time.time_ns(), self._open_entries()))
+                    self._snapshots.append((now_ns(), self._open_entries()))
                 self._note_gaps(counters)
                 now = time.monotonic()
                 if (final or self._buffer.due(now)) and (self._fr_open or self._has_gaps()):
@@ -305,7 +306,7 @@ class Recorder:
             self._end_fr_open(entries, by_name)
         threads = {t.ident: t.native_id for t in threading.enumerate()}
         if self._open_entries is not None:
-            self._snapshots.append((time.time_ns(), self._open_entries()))
+            self._snapshots.append((now_ns(), self._open_entries()))
         for entry in fresh:
             group = entry.get("process_group") or ("",)
             state = by_name.get(str(group[0]))
@@ -324,7 +325,7 @@ class Recorder:
         return self._snapshots[-1][1] if self._snapshots else []
 
     def _fr_span(self, entry: dict[str, Any], state: GroupState, op: str, key: int, threads: dict[Any, Any]) -> None:
-        start = int(entry.get("time_created_ns") or time.time_ns())
+        start = from_foreign(int(entry.get("time_created_ns") or 0)) if entry.get("time_created_ns") else now_ns()
         tid = _native_tid(entry, threads)
         parent = _parent_of(self._open_at(start), tid, start)
         ctx = _context_for(parent, self._step_at(start))
@@ -337,12 +338,12 @@ class Recorder:
         span = self._start_span(ctx, S.comm_span_name(op), attrs, start, tid or 0)
         self.fr_spans += 1
         if fr.entry_done(entry):
-            self._end(span, int(entry.get("time_discovered_completed_ns") or start), None)
+            self._end(span, from_foreign(int(entry["time_discovered_completed_ns"])) if entry.get("time_discovered_completed_ns") else start, None)
         else:
             self._fr_open[(state.name, key)] = span
 
     def _end_fr_open(self, entries: list[dict[str, Any]], by_name: dict[str, GroupState]) -> None:
-        now = time.time_ns()
+        now = now_ns()
         for entry in entries:
             group = entry.get("process_group") or ("",)
             state = by_name.get(str(group[0]))
@@ -352,7 +353,7 @@ class Recorder:
             span = self._fr_open.get((state.name, key))
             if span is not None and fr.entry_done(entry):
                 del self._fr_open[(state.name, key)]
-                self._end(span, int(entry.get("time_discovered_completed_ns") or now), None)
+                self._end(span, from_foreign(int(entry["time_discovered_completed_ns"])) if entry.get("time_discovered_completed_ns") else now, None)
 
     def _count_lost(self, entries: list[dict[str, Any]], by_name: dict[str, GroupState]) -> None:
         """Gaps below the oldest entry of their group are ops the buffer no longer holds."""
