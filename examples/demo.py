@@ -5,12 +5,16 @@
 3. the same job where rank 1 hangs in forward, watched live by `otel-train watch` beside it: the
    culprit, its phase and its stack, seconds after the hang began;
 4. the same job where rank 3 calls broadcast where the others call all_reduce: the desync, with the
-   group, the sequence number and both ops.
+   group, the sequence number and both ops;
+5. (``--pp 2``, the default) a pipeline job, 2 stages x 2 data-parallel, where both ranks of stage 1
+   are slower in every microbatch's forward: the 3-D what-if table (``whatif --method typical``) and
+   the data-parallel rank x pipeline stage heatmap (``whatif --plot``).
 
-Each job is `torchrun --standalone --nproc_per_node=4 examples/train_ddp.py` (gloo on CPU); the
-answers come from the real CLI's `--json` output, printed short enough for a terminal and a CI log.
+Jobs 1-4 are `torchrun --standalone --nproc_per_node=4 examples/train_ddp.py`, job 5
+`examples/train_parallel.py --mode pp` (gloo on CPU); the answers come from the real CLI's output,
+printed short enough for a terminal and a CI log.
 
-    python examples/demo.py [--out runs/demo] [--only clean]
+    python examples/demo.py [--out runs/demo] [--only clean] [--pp 0]
 """
 
 from __future__ import annotations
@@ -33,8 +37,13 @@ from otel_train.cli._text import printable
 
 HERE = Path(__file__).resolve().parent
 TRAIN = HERE / "train_ddp.py"
+PARALLEL = HERE / "train_parallel.py"
 RANKS = 4
 COMMON = ("--steps", "30", "--eval-every", "0", "--checkpoint-every", "0", "--hidden", "128")
+PIPELINE = ("--mode", "pp", "--schedule", "1f1b", "--steps", "10", "--gpu-wait-ms", "20")
+"""Job 5: 1F1B over 4 microbatches, each stage waiting 20 ms (forward) and 40 ms (backward) per
+microbatch on a pretend device, so that its step is steady on a busy CPU; stage 1's forward then
+waits 40 ms more (3x its stage 0 twin's)."""
 JOB_TIMEOUT_S = 60.0
 
 
@@ -52,14 +61,16 @@ def env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def job(path: Path, *args: str, **extra_env: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A 4-rank torchrun job writing to ``path``, in a session of its own (killed whole on the way out)."""
+def job(path: Path, *args: str, script: Path = TRAIN, common: tuple[str, ...] = COMMON,
+        **extra_env: str) -> Iterator[subprocess.Popen[bytes]]:
+    """A 4-rank torchrun job of ``script`` writing to ``path``, in a session of its own (killed whole
+    on the way out)."""
     kill_ranks(path)  # a rank left over from an interrupted demo would write into this run
     shutil.rmtree(path, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     log = open(path.parent / f"{path.name}.log", "wb")  # noqa: SIM115 - closed below
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", str(TRAIN),
-           "--save-path", str(path), *COMMON, *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}", str(script),
+           "--save-path", str(path), *common, *args]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env(**extra_env), start_new_session=True)
     try:
         yield proc
@@ -162,6 +173,23 @@ def desync(out: Path) -> None:
     show_findings(out / "desync", ("desync", "hang"))
 
 
+def pipeline(out: Path, stages: int) -> None:
+    say(f"\n== 5. A pipeline, {stages} stages x {RANKS // stages} data-parallel: stage 1 is 40 ms slower in every "
+        "microbatch's forward")
+    path = out / "pipeline"
+    with job(path, *PIPELINE, "--fault", "slow-stage", "--fault-stage", "1", "--slow-ms", "40", script=PARALLEL,
+             common=()) as proc:
+        proc.wait(JOB_TIMEOUT_S)
+    heat = path / "analysis" / "whatif-heatmap.png"
+    say(f"$ otel-train whatif {path} --method typical --plot {heat}")
+    done = subprocess.run(command("whatif", str(path), "--method", "typical", "--plot", str(heat)), capture_output=True,
+                          text=True, timeout=120, env=env(COLUMNS="98", NO_COLOR="1"))
+    if done.returncode != 0:
+        raise SystemExit(f"demo: `otel-train whatif {path}` failed: {done.stderr.strip()[-500:]}")
+    for line in done.stdout.rstrip().splitlines():
+        say(f"  {printable(line)}")
+
+
 def where(out: Path) -> None:
     trace = out / "straggler" / "analysis" / "structured_trace.json"
     subprocess.run(command("export", str(out / "straggler"), "--output", str(trace)), check=True,
@@ -177,20 +205,35 @@ def where(out: Path) -> None:
     say(f"  trace files: {out}/<run>/structured_logs/  (every run: otel-train summarize / whatif / export)")
 
 
+def where_pipeline(out: Path) -> None:
+    heat = out / "pipeline" / "analysis" / "whatif-heatmap.png"
+    say(f"  what-if heatmap (data-parallel rank x pipeline stage) of the pipeline run: {heat}")
+
+
 SCENARIOS = {"clean": clean, "straggler": straggler, "hang": hang, "desync": desync}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/demo"))
-    p.add_argument("--only", choices=sorted(SCENARIOS), action="append", help="run only these scenarios")
+    p.add_argument("--only", choices=sorted([*SCENARIOS, "pipeline"]), action="append",
+                   help="run only these scenarios")
+    p.add_argument("--pp", type=int, choices=(0, 2), default=2,
+                   help="pipeline stages of job 5 (2: 2 stages x 2 data-parallel; 0: no pipeline job)")
     args = p.parse_args(argv)
     begun = time.monotonic()
     for name, scenario in SCENARIOS.items():
         if not args.only or name in args.only:
             scenario(args.out)
+    piped = args.pp > 0 and (not args.only or "pipeline" in args.only)
+    if piped:
+        pipeline(args.out, args.pp)
     if not args.only or "straggler" in args.only:
         where(args.out)
+    elif piped:
+        say("\n== Where to look next")
+    if piped:
+        where_pipeline(args.out)
     say(f"\n(demo took {time.monotonic() - begun:.0f} s)")
 
 

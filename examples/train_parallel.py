@@ -210,10 +210,15 @@ def run_pp(args: argparse.Namespace, faults: Faults) -> None:
                     schedule.step(x)
                 else:
                     schedule.step(target=y, losses=[])
-            with ot.log_trace_span("grad_sync"):
-                for p in module.parameters():
-                    if p.grad is not None:
-                        dist.all_reduce(p.grad, group=dp_group)
+            with ot.log_trace_span("grad_sync"):  # one flat all-reduce of the stage's gradients (a DDP bucket)
+                grads = [p.grad for p in module.parameters() if p.grad is not None]
+                if grads:
+                    flat = torch.cat([g.reshape(-1) for g in grads])
+                    dist.all_reduce(flat, group=dp_group)
+                    at = 0
+                    for g in grads:
+                        g.copy_(flat[at:at + g.numel()].view_as(g))
+                        at += g.numel()
             with ot.log_trace_span(phases.OPTIMIZER):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

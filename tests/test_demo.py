@@ -1,8 +1,9 @@
 """`make demo`'s script on real 4-rank torchrun jobs: each diagnosis a newcomer should see appears.
 
 The straggler's rank and phase and its what-if cost; the hang's rank, phase and stack, named live by
-`otel-train watch`; the desync's group, seq and both ops; where the Perfetto trace is. Asserts the
-story's structure, never its timings.
+`otel-train watch`; the desync's group, seq and both ops; the pipeline job's 3-D what-if table with the
+slowed stage on top and its dp x pp heatmap; where the Perfetto trace is. Asserts the story's
+structure, never its timings.
 """
 
 from __future__ import annotations
@@ -62,3 +63,20 @@ def test_ends_with_the_perfetto_trace_and_the_heatmap(story: tuple[str, Path]) -
     heat = out / "straggler" / "analysis" / "whatif.png"
     assert heat.read_bytes().startswith(b"\x89PNG") and str(heat) in text
     assert len(max(text.splitlines(), key=len)) < 400  # short enough for a terminal and a CI log
+
+
+def test_pipeline_whatif_table_puts_the_slowed_stage_on_top(story: tuple[str, Path]) -> None:
+    text = section(story[0], 5)
+    assert "whatif" in text and "--method typical" in text and re.search(r"slowdown S = [\d.]+x", text), text
+    rows = {dim: [(int(i), float(x)) for i, x in re.findall(rf"│ {dim}\s+│\s+(\d+) │\s+([\d.]+)x", text)]
+            for dim in ("dp", "pp")}
+    assert sorted(i for i, _ in rows["pp"]) == [0, 1] and sorted(i for i, _ in rows["dp"]) == [0, 1], text
+    assert max(rows["pp"], key=lambda r: r[1])[0] == 1, rows  # stage 1 was slowed
+    assert "last stage" in text, text
+
+
+def test_pipeline_heatmap_is_written_and_named(story: tuple[str, Path]) -> None:
+    text, out = story
+    heat = out / "pipeline" / "analysis" / "whatif-heatmap.png"
+    assert heat.read_bytes().startswith(b"\x89PNG") and str(heat) in section(text, 5)
+    assert "data-parallel rank x pipeline stage" in text.split("== Where to look next")[-1]

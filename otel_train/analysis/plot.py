@@ -81,7 +81,7 @@ def write_heatmap(result: dict[str, Any], path: str | Path) -> Path:
             label.set_parse_math(False)  # a phase name is data, not mathtext
         ax.set_yticks(range(len(rows)), rows)
         ms = result.get("step_ms") or {}
-        ax.set_title(f"what-if slowdown per {what}, {result.get('method', 'peers')} (step {ms.get('actual', 0):.1f} ms, "
+        ax.set_title(f"what-if slowdown ({result.get('method', 'peers')})\nper {what}\n(step {ms.get('actual', 0):.1f} ms, "
                      f"ideal {ms.get('ideal', 0):.1f} ms)", fontsize=9)
         fig.colorbar(image, ax=ax, label="slowdown")
         path.parent.mkdir(parents=True, exist_ok=True)
