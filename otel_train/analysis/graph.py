@@ -338,7 +338,13 @@ def group_median(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Each element's group median (groups by equal key)."""
     if keys.size == 0:
         return values.astype(float)
-    _, inv = np.unique(keys, return_inverse=True)
+    uniq, inv = np.unique(keys, return_inverse=True)
+    if uniq.size <= 64:  # few keys (the usual case): a median per key beats sorting everything twice
+        out = np.empty(values.size)
+        for k in range(uniq.size):
+            mine = inv == k
+            out[mine] = np.median(values[mine])
+        return out
     order = np.lexsort((values, inv))
     counts = np.bincount(inv)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])

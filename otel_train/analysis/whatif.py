@@ -315,7 +315,7 @@ def _clock(run: Run) -> Clock | None:
 
 
 CLOCK_SAMPLE_OPS = 200_000
-CLOCK_SAMPLE_STEPS = 100
+CLOCK_SAMPLE_STEPS = 32
 
 
 def _sampled_clock(run: Run) -> Clock:
