@@ -39,7 +39,7 @@ from otel_train.errors import ConfigError
 from otel_train.redact import Redactor
 from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder, check_sdk_span_fields, step_context_attrs
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
-from otel_train.exporters.jsonl.writer import RotatingFileWriter
+from otel_train.exporters.jsonl.writer import QueuedWriter, RotatingFileWriter
 from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors, shutdown_processors
 from otel_train.handlers import load_handlers
 from otel_train.phases import STEP
@@ -112,7 +112,7 @@ class _Runtime:
         self.pid = os.getpid()
         self.provider: TracerProvider | None = None
         self.jsonl: JsonlSpanProcessor | None = None
-        self.writer: RotatingFileWriter | None = None
+        self.writer: QueuedWriter | None = None
         self.batch_processors: list[BoundedBatchSpanProcessor] = []
         self.other_processors: list[SpanProcessor] = []
         self.record_handlers: list[Any] = []
@@ -333,17 +333,19 @@ def _step_span_starter(tracer: trace.Tracer, ids: StepTraceIdGenerator, ctx: Run
     return start_step_span
 
 
-def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> RotatingFileWriter:
+def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> QueuedWriter:
     name = S.trace_file_name(ctx.source, ctx.rank, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
     _check_own_dirs(settings, log_dir)
     try:
         _modes.make_dirs(log_dir)  # 0755 at most, whatever the umask
-        return RotatingFileWriter(
+        file = RotatingFileWriter(
             log_dir / name,
             max_bytes=max(1, int(settings.max_file_size_mb * 1024 * 1024)),
             backup_count=settings.backup_count,
             fsync=settings.fsync,
         )
+        # A writer thread of its own: a trace file that stops answering never blocks training (docs/runtime.md).
+        return QueuedWriter(file)
     except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (config rejects NUL)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _report.safe_str(exc)
         raise ConfigError(f"cannot write trace files in {log_dir!r}: {reason}; "
@@ -466,14 +468,15 @@ def shutdown(timeout_s: float = 5.0) -> None:
             if rt.watchdog is not None:
                 _quietly(rt.watchdog.final_digest)
             _finish_file(jsonl, rt.writer, incomplete, dropped)
-        _report_at_shutdown(jsonl.dropped_records if jsonl is not None else 0)
+        _report_at_shutdown(jsonl.dropped_records if jsonl is not None else 0,
+                            jsonl.records_written if jsonl is not None else 0)
         for handler in rt.record_handlers:
             if callable(getattr(handler, "shutdown", None)):
                 _quietly(handler.shutdown)
         step_context.reset()  # a later init() is a new session: relative steps count afresh
 
 
-def _finish_file(jsonl: JsonlSpanProcessor, writer: RotatingFileWriter | None, incomplete: int, dropped: int) -> None:
+def _finish_file(jsonl: JsonlSpanProcessor, writer: QueuedWriter | None, incomplete: int, dropped: int) -> None:
     if dropped:
         jsonl.instant(S.INSTANT_SPANS_DROPPED, {"count": dropped})
     if writer is not None and (writer.errors or writer.lost_records):
@@ -497,12 +500,13 @@ def _comm_lost() -> dict[str, int]:
     return {"comm_ops_lost": lost} if lost else {}
 
 
-def _report_at_shutdown(dropped_records: int) -> None:
-    # Each fault printed one line when it first happened; one more line says what it all added up to.
+def _report_at_shutdown(dropped_records: int, made: int) -> None:
+    # Each fault printed one line when it first happened; one more line says what it all added up to
+    # (process_end may not have reached the file: a stalled writer, docs/runtime.md).
     parts = []
     if dropped_records:
         parts.append(f"{dropped_records} record(s) of this process are not in its trace file "
-                     "(process_end.dropped_records)")
+                     f"(process_end.dropped_records; {made} made)")
     repeated = {key: n for key, n in _report.counts().items() if n > 1}
     if repeated:
         parts.append("faults seen more than once: " + ", ".join(f"{key} ×{n}" for key, n in sorted(repeated.items())))

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +35,15 @@ def wait_ready(child: subprocess.Popen[str]) -> str:
         _, err = child.communicate(timeout=TIMEOUT)
         pytest.fail(f"child did not get ready: {line!r}\n{err}")
     return line
+
+
+def wait_on_disk(save_path: Path, records: int) -> None:
+    """Until ``records`` whole lines are in the trace files: the writer thread writes within milliseconds
+    of a record being made, not before ``write`` returns (docs/runtime.md, "What a SIGKILL can lose")."""
+    end = time.monotonic() + TIMEOUT
+    while sum(p.read_bytes().count(b"\n") for paths in trace_segments(save_path) for p in paths) < records:
+        assert time.monotonic() < end, f"fewer than {records} records reached the trace files"
+        time.sleep(0.01)
 
 
 def finish(child: subprocess.Popen[str]) -> tuple[str, str]:
@@ -76,6 +86,7 @@ def test_sigkill_inside_open_spans_leaves_their_start_records(
         tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
     child = spawn(OPEN_NEST.format(before_init=""), traced_env())
     wait_ready(child)
+    wait_on_disk(tmp_path, 3)
     child.send_signal(signal.SIGKILL)
     finish(child)
     assert child.returncode == -signal.SIGKILL
@@ -104,6 +115,7 @@ def test_sigkill_mid_stream_tears_at_most_the_last_line(
     # Small segments so the kill may also land around a rotation.
     child = spawn(code, traced_env(OTEL_TRAIN_MAX_FILE_SIZE_MB="0.05", OTEL_TRAIN_BACKUP_COUNT="1000"))
     wait_ready(child)
+    wait_on_disk(tmp_path, 300 * 5 + 1)
     child.send_signal(signal.SIGKILL)
     finish(child)
     assert child.returncode == -signal.SIGKILL

@@ -45,9 +45,11 @@ must not stop the watchdog too); such a record is skipped, counted and reported 
 class JsonlSpanProcessor(SpanProcessor):
     """Writes schema-v1 records to a writer (one ``write`` call per line) and hands them to record handlers.
 
-    ``writer`` is anything with ``write(bytes) -> bool`` and ``close()`` (normally a RotatingFileWriter),
-    or None when only record handlers want the records. Never raises into the caller: an internal fault
-    is reported through ``otel_train._report`` (once per kind, every occurrence counted).
+    ``writer`` is anything with ``write(bytes) -> bool`` and ``close()`` (the runtime's is a QueuedWriter:
+    a write hands the line to a writer thread, so a stalled file never blocks a span; a RotatingFileWriter
+    writes in the caller's thread), or None when only record handlers want the records. Never raises into
+    the caller: an internal fault is reported through ``otel_train._report`` (once per kind, every
+    occurrence counted).
     """
 
     def __init__(
@@ -79,6 +81,8 @@ class JsonlSpanProcessor(SpanProcessor):
         self.unencodable = 0  # records that could not be made at all (they have no seq)
         if writer is not None and hasattr(writer, "on_loss"):
             writer.on_loss = self._on_loss
+        if writer is not None and hasattr(writer, "on_notice"):
+            writer.on_notice = self._on_notice
 
     @property
     def records_written(self) -> int:
@@ -184,7 +188,8 @@ class JsonlSpanProcessor(SpanProcessor):
     def digest_point(self, wait_s: float = RUNTIME_LOCK_WAIT_S) -> tuple[int, tuple[int, int], list[OpenEntry]] | None:
         """(seq, the file's (inode, size), the open spans) at one instant, for a digest: taken under the
         write lock (waiting at most ``wait_s``), so the open spans are exactly those the file shows open
-        at that size. None without a file."""
+        at that size (a QueuedWriter gives the size once the records up to ``seq`` are written, waiting at
+        most its ``STALL_S``). None without a file, or while the writer is stalled."""
         if not self._lock.acquire(timeout=wait_s):
             raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
         try:
@@ -221,6 +226,10 @@ class JsonlSpanProcessor(SpanProcessor):
         # reader of it knows what came before is missing (the total is also in process_end).
         self.instant(S.INSTANT_WRITE_ERRORS, {"lost_records": lost_records, "lost_bytes": lost_bytes,
                                               "reason": reason})
+
+    def _on_notice(self, attrs: Mapping[str, Any]) -> None:
+        # The writer caught up after a stall: how long it stalled and what it dropped meanwhile.
+        self.instant(S.INSTANT_WRITE_ERRORS, attrs)
 
     def _write(self, line: bytes) -> None:
         # Called with the lock held, so seq order is file order. Handlers first: a write may add a
@@ -308,8 +317,10 @@ class JsonlSpanProcessor(SpanProcessor):
                 self._writer.close()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        # Every record is written by the time _emit returns: nothing is ever held back.
-        return True
+        # A RotatingFileWriter has written every record by the time _write returns; a QueuedWriter's
+        # thread has them within microseconds, and flush waits (never on a stalled writer).
+        flush = getattr(self._writer, "flush", None)
+        return bool(flush(timeout_millis / 1000)) if flush is not None else True
 
     def _fault(self, what: str, exc: BaseException) -> None:
         self.unencodable += 1
