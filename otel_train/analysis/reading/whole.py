@@ -77,7 +77,15 @@ def peek(pf: ProcessFiles, type_: Any = RECORD_TYPES, limit: int = 64) -> list[A
                 data = f.read(64 * 1024)
         except OSError:
             continue
-        for line in data.split(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        try:  # whole lines at once when all of them decode (the usual case: one C call); else line by line
+            out.extend(decoder.decode_lines(data[:cut]))
+            lines = data[cut:].split(b"\n")
+        except DECODE_ERRORS:
+            lines = data.split(b"\n")
+        if len(out) >= limit:
+            return out[:limit]
+        for line in lines:
             try:
                 out.append(decoder.decode(line))
             except DECODE_ERRORS:
@@ -91,11 +99,15 @@ def head(pf: ProcessFiles) -> Head | None:
     """Identity fields of a process (host, pid, attempt, first step, ...): each field's first non-null
     value among its first readable lines (up to 256, within 64 KiB); None when none is readable."""
     found: dict[str, Any] = {}
+    missing = list(Head.__struct_fields__)  # the fields still without a value: only those are looked at
     for rec in peek(pf, Head, limit=256):
-        for name in rec.__struct_fields__:
+        known = len(found)
+        for name in missing:
             value = getattr(rec, name)
-            if value is not None and name not in found:
+            if value is not None:
                 found[name] = value
+        if len(found) != known:
+            missing = [n for n in missing if n not in found]
     return Head(**found) if found else None
 
 

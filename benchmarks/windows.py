@@ -1,0 +1,163 @@
+"""Windows and repeat reads (issue 20), process to process, with the machine's load beside every figure.
+
+Two parts (``--parts``, default both):
+
+* ``repeat``: on the 16-rank x 4000-step run of ``analysis_throughput.py`` (320 MB), each command read
+  first (the run's ``.otel-train-cache/`` removed) and then again: ``summarize``, ``stats``, ``whatif``,
+  ``diff A A`` (each ``--json``) and both exports; the second read is served from the remembered result
+  (docs/analysis.md, "Reading"). Also each command after *another* command filled the read cache (its
+  own result not remembered yet): what the read cache alone gives.
+* ``windows``: a 10-step ``--steps`` window of ``summarize --json`` and ``export -f perfetto`` (cache
+  removed first) on the 320 MB run and on the 1,024-rank scale simulation (``scale_sim.py``) at two
+  sizes ``--factor`` apart: the target is <= 2 s whatever the file size.
+
+Every row is the median (and range) of ``--repeat`` rounds, interleaved, with the 1-minute load average
+before and after the row (other work on this shared VM moves the seconds).
+
+    .venv/bin/python benchmarks/windows.py [--parts repeat,windows] [--repeat 3] [--kib 128] [--factor 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from analysis_throughput import CACHE_DIR, bench_env, cli, generate  # noqa: E402 - benchmarks/ on sys.path
+
+from otel_train import schema
+
+Row = tuple[str, list[float], list[float]]  # what, seconds per round, load before/after per round
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def _spread(values: list[float], fmt: str = ".2f") -> str:
+    mid = statistics.median(values)
+    return format(mid, fmt) if len(values) == 1 else f"{mid:{fmt}} ({min(values):{fmt}} – {max(values):{fmt}})"
+
+
+def _clear(run: Path) -> None:
+    shutil.rmtree(run / CACHE_DIR, ignore_errors=True)
+
+
+def repeat_commands(run: Path, out: Path) -> list[tuple[str, list[str]]]:
+    """The commands issue 20 asks a second read of: (label, arguments)."""
+    return [("summarize --json", ["summarize", str(run), "--json"]),
+            ("stats --json", ["stats", str(run), "--json"]),
+            ("whatif --json", ["whatif", str(run), "--json"]),
+            ("diff A A --json", ["diff", str(run), str(run), "--json"]),
+            ("export -f chrome", ["export", str(run), "-f", "chrome", "-o", str(out / "repeat.json")]),
+            ("export -f perfetto", ["export", str(run), "-f", "perfetto", "-o", str(out / "repeat.pftrace")])]
+
+
+def repeat_round(run: Path, out: Path, env: dict[str, str]) -> dict[str, float]:
+    """One round: per command, first read (no cache), second read; then, with the read cache filled by
+    ``summarize`` and no result remembered, each other command (what the read cache alone gives)."""
+    got: dict[str, float] = {}
+    commands = repeat_commands(run, out)
+    for label, args in commands:
+        _clear(run)
+        got[f"`{label}`: first read"] = cli(*args, env=env)[0]
+        got[f"`{label}`: second read"] = cli(*args, env=env)[0]
+    _clear(run)
+    cli("summarize", str(run), "--json", env=env)
+    for label, args in commands[1:]:
+        got[f"`{label}` after `summarize` (read cache only)"] = cli(*args, env=env)[0]
+    return got
+
+
+def windows_round(runs: list[tuple[str, Path, int]], out: Path, env: dict[str, str]) -> dict[str, float]:
+    """One round of 10-step windows from each run's middle step: summarize and the Perfetto export."""
+    got: dict[str, float] = {}
+    for label, run, middle in runs:
+        steps = f"{middle}-{middle + 9}"
+        for what, args in (("summarize --json", ["summarize", str(run), "--json"]),
+                           ("export -f perfetto", ["export", str(run), "-f", "perfetto", "-o", str(out / "w.pftrace")])):
+            _clear(run)
+            got[f"`{what} --steps {steps}`, {label}"] = cli(*args, "--steps", steps, env=env)[0]
+    return got
+
+
+def rounds(fn, repeat: int) -> list[Row]:  # type: ignore[no-untyped-def]
+    """``fn()`` ``repeat`` times: per row its seconds and the load before and after each round."""
+    seconds: dict[str, list[float]] = {}
+    loads: dict[str, list[float]] = {}
+    for _ in range(repeat):
+        before = _load()
+        for what, s in fn().items():
+            seconds.setdefault(what, []).append(s)
+            loads.setdefault(what, []).extend([before, _load()])
+    return [(what, seconds[what], loads[what]) for what in seconds]
+
+
+def repeat_table(rows: list[Row]) -> list[str]:
+    secs = {what: s for what, s, _ in rows}
+    out = ["| what (320 MB, 16 ranks × 4000 steps) | seconds | second read × faster | load (1 min) | target |",
+           "|---|---:|---:|---:|---|"]
+    for what, s, load in rows:
+        speed, target = "", ""
+        if what.endswith("second read"):
+            first = secs[what.replace("second read", "first read")]
+            ratios = [a / b for a, b in zip(first, s)]
+            speed = _spread(ratios, ".1f") + "×"
+            target = f"≥ 5×: **{'met' if statistics.median(ratios) >= 5 else 'missed'}**"
+        out.append(f"| {what} | {_spread(s)} | {speed} | {min(load):.1f} – {max(load):.1f} | {target} |")
+    return out
+
+
+def windows_table(rows: list[Row], sizes: dict[str, str]) -> list[str]:
+    out = ["| 10-step window (CLI, cache removed) | run | seconds | load (1 min) | target |", "|---|---|---:|---:|---|"]
+    for what, s, load in rows:
+        cmd, _, label = what.rpartition(", ")
+        target = f"≤ 2 s: **{'met' if statistics.median(s) <= 2 else 'missed'}**" if "1,024" in label else ""
+        out.append(f"| {cmd} | {sizes[label]} | {_spread(s)} | {min(load):.1f} – {max(load):.1f} | {target} |")
+    return out
+
+
+def _size(run: Path) -> float:
+    return sum(p.stat().st_size for p in (run / schema.STRUCTURED_LOGS_DIR).iterdir()) / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="repeat,windows")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--kib", type=int, default=128, help="KiB per rank of the smaller 1,024-rank run")
+    parser.add_argument("--factor", type=int, default=8)
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "otel-train-bench")
+    parser.add_argument("--scale-cache", type=Path, default=Path(tempfile.gettempdir()) / "otel-train-scale")
+    args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    out = args.cache / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    env = bench_env(args.cache)
+    run = generate(args.cache, 16, 4000)
+    cli("summarize", str(generate(args.cache, 2, 20)), "--json", env=env)  # bytecode written first
+    print(f"{os.cpu_count()} CPUs, load {_load():.1f}", file=sys.stderr)
+    if "repeat" in parts:
+        print("\n".join(repeat_table(rounds(lambda: repeat_round(run, out, env), args.repeat))) + "\n")
+    if "windows" in parts:
+        import scale_sim
+
+        runs = [("16 × 4000", run, 2000)]
+        sizes = {"16 × 4000": f"16 ranks × 4000 steps, {_size(run):.0f} MB"}
+        for kib in (args.kib, args.factor * args.kib):
+            big = scale_sim.generate(args.scale_cache, 1024, kib, 517, 0.0)
+            steps = max(2, kib * 1024 // (scale_sim.RECORD_BYTES * 11))
+            label = f"1,024 × {kib} KiB"
+            runs.append((label, big, steps // 2 - 5))
+            sizes[label] = f"1,024 ranks × {steps} steps, {_size(big):.0f} MB"
+        print("\n".join(windows_table(rounds(lambda: windows_round(runs, out, env), args.repeat), sizes)))
+    for f in out.glob("repeat.*"):
+        f.unlink()
+
+
+if __name__ == "__main__":
+    main()
