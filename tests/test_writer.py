@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from otel_train.exporters.jsonl.writer import RotatingFileWriter
+from otel_train.exporters.jsonl.writer import QueuedWriter, RotatingFileWriter
 
 WARNING = "otel-train: cannot write"
 
@@ -304,3 +304,178 @@ def test_sigkill_mid_stream_leaves_complete_lines(tmp_path: Path) -> None:
     next_line = json.dumps({"seq": len(got), "pad": "y" * (len(got) % 50)}).encode()
     assert next_line.startswith(tail) and tail != next_line
     assert len(got) >= acknowledged  # every write that returned before the kill is on disk
+
+
+# QueuedWriter: the runtime's writer thread in front of the file (docs/runtime.md, "A trace file that
+# stops answering").
+
+def queued(path: Path, **kwargs: object) -> QueuedWriter:
+    return QueuedWriter(RotatingFileWriter(path, **{"max_bytes": 1 << 20, "backup_count": 1, **kwargs}))
+
+
+def test_queued_writer_writes_in_order_with_rotation(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    max_bytes, backups, total = 2000, 3, 1500
+    w = queued(path, max_bytes=max_bytes, backup_count=backups)
+    longest = max(len(record(i, pad=(i * 37) % 90)) for i in range(total))
+    assert all(w.write(record(i, pad=(i * 37) % 90)) for i in range(total))
+    assert w.flush()
+    sizes = [p.stat().st_size for p in segments(path)]
+    assert all(s <= max_bytes for s in sizes) and sum(sizes) <= (backups + 1) * max_bytes + longest
+    kept = [s for p in segments(path) for s in seqs(p.read_bytes())]
+    assert kept == list(range(kept[0], total))
+    assert (w.errors, w.dropped_records, w.stalled) == (0, 0, False)
+    w.close()
+    w.close()
+    assert w.write(record(total)) is False and not w._thread.is_alive()
+
+
+def test_a_sync_point_record_is_in_the_file_when_write_returns(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    w = queued(path)
+    assert w.write(record(0))  # the first record is a sync point
+    assert seqs(path.read_bytes()) == [0]
+    assert all(w.write(record(i)) for i in range(1, 50))
+    w._limit = -1  # what the once-a-second ticker does
+    assert w.write(record(50))
+    assert seqs(path.read_bytes()) == list(range(51))
+    assert w.position() == (os.stat(path).st_ino, path.stat().st_size)
+    w.close()
+
+
+def test_write_many_is_one_call_per_run_and_counts_each_failed_record(
+    tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from otel_train.exporters.jsonl import writer as writer_module
+
+    calls: list[int] = []
+    real_write = os.write
+
+    def counting_write(fd: int, data: bytes) -> int:
+        calls.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(writer_module.os, "write", counting_write)
+    path = tiny_tmpfs / "t.jsonl"
+    w = RotatingFileWriter(path, max_bytes=1 << 20, backup_count=1)
+    w.write_many([record(i) for i in range(10)])
+    assert len(calls) == 1 and seqs(path.read_bytes()) == list(range(10))
+    (tiny_tmpfs / "ballast").write_bytes(b"\0" * 16384)
+    lines = [record(i, pad=2980) for i in range(10, 40)]  # fills the disk in the middle of one
+    w.write_many(lines)
+    written = seqs(path.read_bytes().rsplit(b"\n", 1)[0] + b"\n")
+    failed = 40 - written[-1] - 1
+    assert failed > 0 and w.errors == failed and w.dropped_records == failed  # each record, as write() counts
+    assert w.dropped_bytes == sum(len(line) for line in lines[-failed:])
+    assert capsys.readouterr().err.count(WARNING) == 1
+    w.close()
+
+
+def test_a_blocked_write_never_blocks_the_caller_and_close_gives_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from otel_train.exporters.jsonl import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "QUEUE_MAX_BYTES", 64 << 10)
+    monkeypatch.setattr(writer_module, "SYNC_BYTES", 32 << 10)
+    monkeypatch.setattr(writer_module, "STALL_REPORT_S", 0.3)
+    path = tmp_path / "t.jsonl"
+    w = queued(path)
+    assert w.write(record(0))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # held open, never read: a write blocks when full
+    blocked = os.open(fifo, os.O_WRONLY)
+    os.dup2(blocked, w.file._fd)  # the storage stops answering
+    os.close(blocked)
+    results, slowest = [], 0.0
+    for i in range(1, 3000):
+        t0 = time.monotonic()
+        results.append(w.write(record(i, pad=200)))
+        slowest = max(slowest, time.monotonic() - t0)
+        if i % 100 == 0:
+            time.sleep(0.02)
+    assert slowest < 1.0  # bounded (the design: STALL_S, 0.1 s); a blocked write here was forever
+    assert w.stalled and results[-1] is False and w.flush() is False
+    dropped = results.count(False)
+    assert w.dropped_records == dropped > 0
+    t0 = time.monotonic()
+    w.close()
+    assert time.monotonic() - t0 < 3.0  # gives up at once on a write that has not returned for 1 s
+    in_fifo = b""
+    while True:
+        try:
+            chunk = os.read(reader, 1 << 16)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        in_fifo += chunk
+    os.close(reader)
+    landed = len(seqs(path.read_bytes())) + in_fifo.count(b"\n")
+    # Every record is in the file or the FIFO, or counted; the batch in progress is counted although
+    # some of it may have reached the FIFO.
+    assert landed + w.dropped_records >= 3000 >= landed + w.dropped_records - writer_module.BATCH_LINES
+    err = capsys.readouterr().err
+    assert "has stalled" in err and "at close are not written" in err, err
+
+
+def test_a_stall_that_ends_is_announced_after_the_next_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from otel_train.exporters.jsonl import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "QUEUE_MAX_BYTES", 64 << 10)
+    monkeypatch.setattr(writer_module, "SYNC_BYTES", 32 << 10)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    w = QueuedWriter(RotatingFileWriter(fifo, max_bytes=1 << 30, backup_count=0))
+    notices: list[dict] = []
+    w.on_notice = lambda attrs: (notices.append(dict(attrs)), w.write(b'{"seq": -1}\n'))
+    results = [w.write(record(i, pad=200)) for i in range(2000)]  # 64 KiB in the FIFO, 64 KiB queued
+    dropped = results.count(False)
+    assert dropped > 0 and w.stalled and notices == []
+    stream = bytearray()
+    deadline = time.monotonic() + 20
+    while not notices and time.monotonic() < deadline:  # the reader comes back: the writer catches up
+        try:
+            stream += os.read(reader, 1 << 16)
+        except BlockingIOError:
+            pass
+        w.write(record(5000))
+        time.sleep(0.01)
+    (notice,) = notices
+    assert notice["reason"] == "trace file write stalled" and notice["dropped_records"] == dropped
+    assert notice["stalled_ms"] > 0 and not w.stalled
+    assert w.flush()
+    w.close()
+    os.set_blocking(reader, True)
+    while chunk := os.read(reader, 1 << 16):  # EOF: the writer closed the FIFO
+        stream += chunk
+    os.close(reader)
+    got = seqs(bytes(stream))
+    assert got[got.index(-1) - 1] == 5000  # the notice follows the record that found the stall over
+    assert [s for s in got if 0 <= s < 2000] == [i for i, ok in enumerate(results) if ok]
+    err = capsys.readouterr().err
+    assert "has stalled" in err and "resumed after" in err and f"{dropped} record(s)" in err
+
+
+def test_a_fork_child_never_writes_or_waits_through_the_parents_writer(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    w = queued(path)
+    assert w.write(record(0))
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            code = 0 if (w.write(record(1)) is False and w.flush() is False) else 1
+            w.close()
+        except BaseException:  # noqa: BLE001
+            code = 2
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert w.write(record(2)) and w.flush()
+    assert seqs(path.read_bytes()) == [0, 2]
+    w.close()
