@@ -171,5 +171,24 @@ class CleanTracer(_Tracer):
                    links: Sequence[Link] | None = None, start_time: int | None = None,
                    record_exception: bool = True, set_status_on_exception: bool = True) -> trace.Span:
         name = clean_text(name) if isinstance(name, str) else safe_str(name)
-        return self._tracer.start_span(name, context, kind, otel_attributes(attributes), links, start_time,
+        span = self._tracer.start_span(name, context, kind, otel_attributes(attributes), links,
+                                       now_ns() if start_time is None else start_time,
                                        record_exception, set_status_on_exception)
+        return _on_runtime_clock(span)
+
+
+def _on_runtime_clock(span: trace.Span) -> trace.Span:
+    """An SDK span timed on the runtime's clock (docs/clock.md): its start was given, and ``end()``
+    without a time takes :func:`~otel_train._clock.now_ns` instead of the SDK's wall clock. The JSONL
+    encoder moves the times of other SDK spans (a user's own tracer on our provider) as it sees them."""
+    sdk_end = span.end
+
+    def end(end_time: int | None = None) -> None:
+        sdk_end(now_ns() if end_time is None else end_time)
+
+    try:
+        span.end = end  # type: ignore[method-assign]
+        span._runtime_clock = True  # type: ignore[attr-defined]
+    except AttributeError:  # a span type that takes no attributes (non-recording): nothing is written of it
+        pass
+    return span

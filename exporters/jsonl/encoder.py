@@ -165,8 +165,8 @@ class RecordEncoder:
         head = self._start_heads.get(name) or self._span_head(self._start_heads, S.SPAN_START, S.START_SUFFIX, name)
         attributes = span._attributes
         ns = span._start_time
-        if type(span) is not LeanSpan:  # an SDK span: its wall-clock start, now on the runtime's clock
-            ns = span._start_time = from_wall(ns)
+        if type(span) is not LeanSpan and not getattr(span, "_runtime_clock", False):
+            ns = span._start_time = from_wall(ns)  # an SDK span timed by the SDK's wall clock: on ours
         return (_START_LINE % (
             ns // 1_000_000_000, ns // 1000 % 1_000_000, head, body, seq, caller,
             self._attrs(attributes) if attributes else "")).encode()
@@ -178,8 +178,8 @@ class RecordEncoder:
         name = span._name
         head = self._end_heads.get(name) or self._span_head(self._end_heads, S.SPAN_END, S.END_SUFFIX, name)
         start, end = span._start_time, span._end_time
-        if end is not None and type(span) is not LeanSpan:  # an SDK span's wall-clock end, just taken
-            end = span._end_time = from_wall(end)
+        if end is not None and type(span) is not LeanSpan and not getattr(span, "_runtime_clock", False):
+            end = span._end_time = from_wall(end)  # an SDK span's wall-clock end, just taken: on ours
         attributes = span._attributes
         if attributes and attributes.get(INCOMPLETE_ATTR) or incomplete:
             status = _INCOMPLETE

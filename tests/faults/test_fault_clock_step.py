@@ -44,8 +44,8 @@ WATCH_S = 40
 (``stall_min_s`` 2 s); a +60 s step hid it for a minute before."""
 STEPS, FAULT_STEP = 30, 12
 
-pytestmark = pytest.mark.skipif(not Path(LIB).exists(),
-                                reason="libfaketime is not installed (apt-get install faketime; make test does)")
+needs_faketime = pytest.mark.skipif(not Path(LIB).exists(),
+                                    reason="libfaketime is not installed (apt-get install faketime; make test does)")
 
 LAUNCH = r"""
 import os, sys
@@ -100,6 +100,7 @@ for step in range(steps):
             if mode == "crash" and rank == 2 and step == fault_step:
                 if step_at == "fault":
                     step_clock()
+                threading.Event().wait(0.5)  # the peers are past this step's all-reduce, waiting in the next
                 os.kill(os.getpid(), signal.SIGKILL)
 dist.destroy_process_group()
 ot.shutdown()
@@ -184,6 +185,7 @@ def _crash_culprits(summary: dict) -> list[tuple[str, int | None]]:
     return [(f["kind"], f["rank"]) for f in summary["findings"] if f["kind"] in ("crash", "hang")]
 
 
+@needs_faketime
 def test_a_clock_step_does_not_change_a_crash(tmp_path: Path) -> None:
     cases = _cases(("-0.5s", "+60s", "-60s")) if trials(1) > 1 else [("-60s", "3")]
     holds = ("3 ranks, rank 2 SIGKILLed inside optimizer; the host's wall clock steps -0.5 s / +60 s / -60 s "
@@ -207,6 +209,7 @@ def test_a_clock_step_does_not_change_a_crash(tmp_path: Path) -> None:
                 _assert_step_recorded(save, offset)
 
 
+@needs_faketime
 def test_a_clock_step_does_not_hide_a_hang_from_watch(tmp_path: Path) -> None:
     cases = _cases(("-60s", "-0.5s", "+60s")) if trials(1) > 1 else [("+60s", "6")]
     holds = ("3 ranks, rank 1 stops inside data_fetch; the host's wall clock steps -60 s / -0.5 s / +60 s as it "
@@ -258,3 +261,35 @@ def test_a_process_started_after_a_step_is_a_clock_of_its_own(tmp_path: Path) ->
         assert sorted(rows) == ["vm", "vm#1"] and abs(rows["vm#1"]["offset_ms"] - 60_000.0) < 5.0, rows
         assert [(f["kind"], f["host"]) for f in summary["findings"] if f["kind"] == "clock_skew"] == [("clock_skew", "vm#1")]
         assert not [f for f in summary["findings"] if f["kind"] in ("straggler", "hang", "crash")], summary["findings"]
+
+
+SDK_JOB = r"""
+import json, sys, time
+import otel_train as ot
+import opentelemetry.sdk.trace as sdk
+
+ot.init(save_path=sys.argv[1], enabled=True, traces_exporter="jsonl,console", watchdog=False)
+wall = time.time_ns
+with ot.log_trace_span("across"):
+    time.sleep(0.05)
+    sdk.time_ns = time.time_ns = lambda: wall() - 60_000_000_000  # the wall clock steps back 60 s
+    time.sleep(0.05)
+with ot.log_trace_span("after"):
+    time.sleep(0.05)
+ot.shutdown()
+"""
+
+
+def test_sdk_spans_are_timed_on_the_runtime_clock(tmp_path: Path) -> None:
+    holds = ("with OTLP/console configured (the SDK's spans), a 60 s backward step of the wall clock inside a "
+             "span: its duration is its own (not -60 s), the next span starts after it ends")
+    with reported("wall-clock step inside an SDK span", holds, 1):
+        done = subprocess.run([sys.executable, "-c", SDK_JOB, str(tmp_path)], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        (path,) = (tmp_path / S.STRUCTURED_LOGS_DIR).glob(f"*{S.FILE_SUFFIX}")
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        ends = {r[S.NAME]: r for r in records if r[S.KIND] == S.SPAN_END}
+        starts = {r[S.NAME]: r for r in records if r[S.KIND] == S.SPAN_START}
+        assert 90 <= ends["across"][S.DUR_MS] < 5_000, ends["across"]
+        assert starts["after"][S.TS] >= ends["across"][S.TS], (starts["after"], ends["across"])
