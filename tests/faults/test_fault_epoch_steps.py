@@ -85,7 +85,7 @@ def test_every_analysis_numbers_repeating_steps_globally(run: Path) -> None:
     total = EPOCHS * STEPS
     holds = ("3 ranks x 3 epochs x 15 steps (step restarts every epoch), rank 1 +28 ms in data_fetch in epoch 0: "
              "stats 45 rows per rank labelled (epoch, step); whatif replays 44 of 45; rank 1's cost is priced; "
-             "no straggler claims a cost of 0; goodput loses nothing; export, diff, watch agree")
+             "no straggler claims a cost of 0; goodput loses nothing; --steps, export, diff, watch agree")
     with reported("steps that repeat every epoch (the README's enumerate(loader) loop)", holds, 1):
         stats = _cli("stats", str(run))
         by_rank: dict[int, list[dict]] = {}
@@ -98,6 +98,10 @@ def test_every_analysis_numbers_repeating_steps_globally(run: Path) -> None:
         slow = [r["phases"]["data_fetch"] for r in by_rank[1]]
         assert min(slow[:STEPS]) >= SLOW_MS  # one step's own time, not three epochs' sum
         assert sorted(slow[STEPS:])[len(slow[STEPS:]) // 2] < SLOW_MS / 2
+
+        window = _cli("stats", str(run), "--steps", f"{STEPS}-{2 * STEPS - 1}", "--no-cache")  # epoch 1
+        assert sorted({(r["step"], r["epoch"], r["epoch_step"]) for r in window["steps"]}) == \
+            [(STEPS + s, 1, s) for s in range(STEPS)] and len(window["steps"]) == 3 * STEPS
 
         whatif = _cli("whatif", str(run))
         assert whatif["steps"] == total - 1  # every step but the first (warm-up) is replayed

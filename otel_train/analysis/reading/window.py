@@ -48,6 +48,7 @@ TAIL_BYTES = 64 << 10
 class _Probe(msgspec.Struct, gc=False):
     step: int | None = None
     name: str = ""
+    epoch: int | None = None
 
 
 _probe_decoder = msgspec.json.Decoder(_Probe)
@@ -201,12 +202,33 @@ def plan(pf: ProcessFiles, lo: int, hi: int) -> Plan | None:
         for path in pf.paths:
             files.append(open_regular(path))
         segs = [_Segment(f.fileno(), os.fstat(f.fileno()).st_size) for f in files]
+        if _several_epochs(segs):
+            return None  # steps may restart every epoch: only a whole read numbers them (docs/analysis.md)
         return _plan(pf, segs, lo, hi)
     except OSError:
         return None
     finally:
         for f in files:
             f.close()
+
+
+def _several_epochs(segs: list[_Segment]) -> bool:
+    """Whether the process's first and last records (within :data:`PROBE_BYTES` of each end) carry
+    different epochs: its steps may then repeat every epoch, which the span model numbers globally
+    from the first record on (docs/analysis.md, "The span model")."""
+    ends = []
+    for seg, at in ((segs[0], 0), (segs[-1], max(0, segs[-1].size - PROBE_BYTES))):
+        block = os.pread(seg.fd, PROBE_BYTES, at)
+        epochs = []
+        for line in block.split(b"\n")[1 if at else 0:]:
+            try:
+                epoch = _probe_decoder.decode(line).epoch
+            except DECODE_ERRORS:
+                continue
+            if epoch is not None:
+                epochs.append(epoch)
+        ends.append(epochs[-1 if at else 0] if epochs else None)
+    return None not in ends and ends[0] != ends[1]
 
 
 def _plan(pf: ProcessFiles, segs: list[_Segment], lo: int, hi: int) -> Plan | None:
