@@ -53,7 +53,8 @@ from otel_train.analysis.comm import CommGraph, CommOp, Group, feed_process
 from otel_train.analysis.findings import (
     CRASH, DESYNC, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
 )
-from otel_train.analysis.records import AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, Warn, head
+from otel_train.analysis.records import (AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, TraceReadError, Warn,
+                                         head)
 from otel_train.analysis.spans import (STATUS_OPEN, PhaseSeries, ProcessState, Run, assign_attempts, choose_run,
                                        in_run)
 from otel_train.analysis.stacks import clean_stacks
@@ -551,7 +552,11 @@ class LiveRun:
         others' files are ignored, and a directory seen holding several runs is said once."""
         heads = {pf: self._heads[pf.key] for pf in pfs}
         heads.update({pf: self._heads[key] for key, pf in self._pfs.items()})
-        chosen, note = choose_run(heads, self.tail.path, self._run)
+        try:
+            chosen, note = choose_run(heads, self.tail.path, self._run)
+        except TraceReadError:  # --run-id names a run that has not written here yet: wait for it
+            self._other_runs.update(pf.key for pf in pfs)
+            return []
         self._run = chosen
         if note is not None and not self._said_runs:
             self._said_runs = True
