@@ -86,7 +86,7 @@ def export(
         if fr is not None and not fr.exists():
             warn(f"warning: --fr {fr}: no such file or directory; exporting without Flight Recorder dumps")
 
-        def compute() -> ExportResult:
+        def compute() -> tuple[str, str | None]:
             from otel_train.analysis.export import export as export_run  # here: start-up stays small
             from otel_train.analysis.records import Reader
 
@@ -95,20 +95,28 @@ def export(
                 done = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader, fr=fr,
                                   align=not no_align, cache=not no_cache)
             note_malformed(done.malformed_lines)
-            return done
+            if done.processes == 0:
+                warn("warning: no process matched --ranks; the trace is empty")
+            return _wrote(done), _clock_line(done, fmt)
 
         args = {"format": fmt, "output": output and output.resolve(), "ranks": sorted(rank_set or ()) or None,
                 "steps": step_range, "fr": fr and fr.resolve(), "align": not no_align, "run_id": run_id}
-        result = remembered("export", [path], args, compute, enabled=not no_cache)
-        if result.processes == 0:
-            warn("warning: no process matched --ranks; the trace is empty")
-        typer.echo(
-            f"wrote {result.output}: {result.processes} processes, {result.slices} slices, "
+        wrote, clock_line = remembered("export", [path], args, compute, enabled=not no_cache)  # plain text: no numpy
+        typer.echo(wrote)
+        if clock_line is not None:
+            typer.echo(clock_line)
+
+
+def _wrote(result: ExportResult) -> str:
+    return (f"wrote {result.output}: {result.processes} processes, {result.slices} slices, "
             f"{result.instants} instants, {result.counters} counter samples"
             + (f", {result.flows} comm flows" if result.flows else "")
-            + (f", {result.dump_ops} ops from Flight Recorder dumps" if result.dump_ops else "")
-        )
-        clock = result.clock
-        if clock is not None and clock.applied and fmt in ("chrome", "perfetto"):
-            moved = ", ".join(f"{r['host']} {r['offset_ms']:+.3f} ms" for r in clock.rows()[1:])
-            typer.echo(f"clocks aligned to host {clock.reference}: {moved} (raw times in args raw_ts; --no-align: raw)")
+            + (f", {result.dump_ops} ops from Flight Recorder dumps" if result.dump_ops else ""))
+
+
+def _clock_line(result: ExportResult, fmt: str) -> str | None:
+    clock = result.clock
+    if clock is None or not clock.applied or fmt not in ("chrome", "perfetto"):
+        return None
+    moved = ", ".join(f"{r['host']} {r['offset_ms']:+.3f} ms" for r in clock.rows()[1:])
+    return f"clocks aligned to host {clock.reference}: {moved} (raw times in args raw_ts; --no-align: raw)"
