@@ -359,3 +359,26 @@ def test_plot_with_a_mesh_is_dp_rank_by_stage(tmp_path: Path, name: str, magic: 
     if name.endswith(".svg"):
         text = out.read_text()
         assert "dp 2" in text and "stage 1" in text and "pipeline stage" in text
+
+
+def test_a_comm_op_tagged_with_a_later_step_stays_where_it_ran(tmp_path: Path) -> None:
+    # Flight Recorder's buffer can give an op the step current when the recorder looked: rank 0's
+    # setup broadcast, issued before step 0, carries step 3. It belongs with the spans around it.
+    from comm_sim import declare, dp_steps
+    from comm_sim import base as comm_base
+
+    procs = [Proc(rank=r, world_size=2) for r in range(2)]
+    declare(procs)
+    for p in procs:
+        p.set_step(3)
+        p.start(schema.comm_span_name("broadcast"), **comm_attrs("0", 0))
+        p.advance(2.0)
+        p.end()
+    dp_steps(procs, range(8), comm_base, seq0=1)
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    out = whatif(load_run(tmp_path), method="typical")
+    assert out["steps"] == 7 and all(v > 0 for v in out["per_step"].values())
+    assert out["step_ms"]["actual"] == pytest.approx(out["step_ms"]["measured"], rel=1e-9)
+    assert out["step_ms"]["measured"] == pytest.approx(62.0, abs=0.01)  # 5 + 20 + 30 + 2 + 5, every step

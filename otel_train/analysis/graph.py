@@ -48,6 +48,8 @@ UNTRACED = "(untraced)"
 """The phase owning each item's lead: time on a rank that no leaf and no comm op covers."""
 
 Window = tuple[int, int]
+RESOLUTION_MS = 0.002
+"""Records keep µs timestamps and 1/1000 ms durations: ends and starts this close touch."""
 
 # Node kinds
 PIECE, ARRIVE, JOIN, END, EXIT = range(5)
@@ -252,6 +254,8 @@ class Chain:
     piece: np.ndarray
     op_item: np.ndarray
     order: np.ndarray
+    detached: np.ndarray  # per sorted op: it ended after the rank's next span began (the thread went on)
+    waiter: np.ndarray  # per sorted op: the first piece that began after a detached op ended (-1: none)
 
 
 def _clusters(cs: np.ndarray, ce: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -291,6 +295,21 @@ def _pieces(ls: np.ndarray, le: np.ndarray, cl_s: np.ndarray, cl_e: np.ndarray
     return a[heads], b[tails], leaf[heads]
 
 
+def _blocks(step: np.ndarray, is_piece: np.ndarray) -> np.ndarray:
+    """Each item's step block: a piece's own step (never below an earlier piece's); a cluster its own
+    step held between the blocks of the pieces around it: a comm op's own step can be off (an op only
+    Flight Recorder's buffer saw carries the step current when the recorder looked)."""
+    if not is_piece.any():
+        return np.maximum.accumulate(step) if step.size else step
+    pieces = np.flatnonzero(is_piece)
+    held = np.maximum.accumulate(step[pieces])
+    before = np.searchsorted(pieces, np.arange(step.size), side="right") - 1
+    low = np.where(before >= 0, held[np.maximum(before, 0)], np.iinfo(np.int64).min)
+    after = np.minimum(before + 1, pieces.size - 1)
+    high = np.where(before + 1 < pieces.size, held[after], np.iinfo(np.int64).max)
+    return np.where(is_piece, held[np.maximum(before, 0)], np.minimum(np.maximum(step, low), high))
+
+
 def chain(ro: RankOps) -> Chain:
     """The rank's items: pieces and clusters sorted by start (a cluster before a piece starting with it)."""
     lo = np.argsort(ro.l_start, kind="stable")
@@ -301,7 +320,10 @@ def chain(ro: RankOps) -> Chain:
         le = np.maximum(le, ls)
     order = np.argsort(ro.c_start, kind="stable")
     cs, ce = ro.c_start[order], ro.c_end[order]
-    of, cl_s, cl_e = _clusters(cs, ce)
+    nxt = np.searchsorted(ls, cs, side="right")
+    nxt_start = ls[np.minimum(nxt, ls.size - 1)] if ls.size else np.full(cs.size, np.inf)
+    detached = (nxt < ls.size) & (ce > nxt_start + RESOLUTION_MS)
+    of, cl_s, cl_e = _clusters(cs, np.where(detached, cs, ce))
     ps, pe, leaf = _pieces(ls, le, cl_s, cl_e)
     _, first, counts = np.unique(leaf, return_index=True, return_counts=True)
     piece = np.arange(leaf.size) - np.repeat(first, counts)  # leaf is non-decreasing: pieces in time order
@@ -311,12 +333,16 @@ def chain(ro: RankOps) -> Chain:
     kind = np.concatenate([np.ones(ps.size, np.int64), np.zeros(cl_s.size, np.int64)])
     items = np.lexsort((kind, start))
     step = np.concatenate([ro.l_step[lo][leaf], cl_step])[items]
-    block = np.maximum.accumulate(step) if step.size else step
+    block = _blocks(step, kind[items] == 1)
     where = np.empty(items.size, np.int64)
     where[items] = np.arange(items.size)
+    pieces = np.flatnonzero(kind[items] == 1)
+    at = np.searchsorted(start[items][pieces], ce - 1e-9)
+    waiter = np.where(detached & (at < pieces.size), pieces[np.minimum(at, max(pieces.size - 1, 0))] if pieces.size
+                      else -1, -1)
     return Chain(start[items], np.concatenate([pe, cl_e])[items], block,
                  np.concatenate([ro.l_name[lo][leaf], cl_name])[items],
-                 np.concatenate([piece, np.full(cl_s.size, -1)])[items], where[ps.size + of], order)
+                 np.concatenate([piece, np.full(cl_s.size, -1)])[items], where[ps.size + of], order, detached, waiter)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,6 +398,8 @@ class Flat:
     o_key: np.ndarray
     o_send: np.ndarray
     o_tkey: np.ndarray
+    o_detached: np.ndarray
+    o_waiter: np.ndarray  # global item id, -1: none
 
 
 def flatten(ros: list[RankOps], chains: list[Chain]) -> Flat:
@@ -388,7 +416,8 @@ def flatten(ros: list[RankOps], chains: list[Chain]) -> Flat:
                      ("i_name", ch.name), ("i_piece", ch.piece), ("i_prev", prev),
                      ("o_rank", np.full(o.size, r)), ("o_item", ch.op_item + base), ("o_start", ro.c_start[o]),
                      ("o_end", ro.c_end[o]), ("o_name", ro.c_name[o]), ("o_key", ro.c_key[o]),
-                     ("o_send", ro.c_send[o]), ("o_tkey", ro.c_tkey[o])):
+                     ("o_send", ro.c_send[o]), ("o_tkey", ro.c_tkey[o]), ("o_detached", ch.detached),
+                     ("o_waiter", np.where(ch.waiter >= 0, ch.waiter + base, -1))):
             parts[k].append(v)
         base += n
     return Flat(*(np.concatenate(parts[k]) if parts[k] else np.empty(0) for k in Flat.__slots__))  # type: ignore[attr-defined]
@@ -456,8 +485,9 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     arrive, end, join = ni + np.arange(no), ni + no + np.arange(no), ni + 2 * no + np.arange(nj)
     rank, item = flat.i_rank.astype(np.int64), np.arange(ni)
     o_item = flat.o_item
-    single = (flat.i_piece < 0) & (np.bincount(o_item, minlength=ni) == 1)
-    alone = single[o_item]  # ops alone in their cluster
+    det = flat.o_detached.astype(bool)
+    single = (flat.i_piece < 0) & (np.bincount(o_item, minlength=ni) == 1) & (np.bincount(o_item, det, ni) == 0)
+    alone = single[o_item]  # ops alone in their cluster (and not detached)
     node_of = item.copy()
     node_of[o_item[alone]] = end[alone]
     prev = flat.i_prev
@@ -471,11 +501,8 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     dur_i = np.zeros(ni)
     dur_i[piece] = group_mean(ikey[piece], dur[piece])
     o_rank = flat.o_rank.astype(np.int64)
-    o_dur = flat.o_end - flat.o_start
-    w, nw = jn.waits, ~jn.waits
-    tr_i, du_i = np.zeros(no), np.zeros(no)
-    tr_i[w] = group_median(flat.o_tkey[w], jn.transfer[w])
-    du_i[nw] = group_median(flat.o_tkey[nw], o_dur[nw])
+    o_dur, tr_i, du_i = _op_typicals(flat, jn, det)
+    w = jn.waits
     untr = rank * P
     o_own = o_rank * P + flat.o_name
     cols = [
@@ -493,8 +520,10 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
          np.zeros(int(w.sum())), np.zeros(int(w.sum()))),
         # a join waits for every member's arrival
         (arrive[jn.of >= 0], join[jn.of[jn.of >= 0]]) + _fixed_zero(int((jn.of >= 0).sum()), fixed),
-        # a cluster of several ops ends when its last op ends
-        (end[~alone], o_item[~alone]) + _fixed_zero(int((~alone).sum()), fixed),
+        # a cluster of several ops ends when its last op ends (a detached op: when it began)
+        (np.where(det, arrive, end)[~alone], o_item[~alone]) + _fixed_zero(int((~alone).sum()), fixed),
+        # the first piece that began after a detached op ended waits for it
+        _waits(flat, end, node_of, dur, dur_i, P, fixed),
     ]
     edges = [np.concatenate([np.asarray(c[k]) for c in cols]) for k in range(8)]
     kinds = np.concatenate([np.where(piece, PIECE, EXIT), np.full(no, ARRIVE), np.full(no, END), np.full(nj, JOIN)])
@@ -505,6 +534,41 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     edges[0] = np.where(edges[0] >= 0, renum[np.maximum(edges[0], 0).astype(np.int64)], edges[0])
     edges[1] = renum[edges[1].astype(np.int64)]
     return edges, kinds[alive], blocks[alive], renum[node_of]
+
+
+def _op_typicals(flat: Flat, jn: Joins, det: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per op: its duration, its typical transfer (waiting ops) and its typical duration (the others)."""
+    o_dur = flat.o_end - flat.o_start
+    w, nw = jn.waits, ~jn.waits
+    tr_i, du_i = np.zeros(o_dur.size), np.zeros(o_dur.size)
+    tr_i[w] = _typical_of(flat.o_tkey[w], jn.transfer[w], ~det[w])
+    du_i[nw] = _typical_of(flat.o_tkey[nw], o_dur[nw], ~det[nw])
+    return o_dur, tr_i, du_i
+
+
+def _typical_of(keys: np.ndarray, values: np.ndarray, use: np.ndarray) -> np.ndarray:
+    """Each op's typical value: the median of its key over the ops ``use`` marks (a detached op's end
+    says when a recorder saw it done, not when it was: it joins no typical value), else its own."""
+    out = values.astype(float)
+    if use.any():
+        out[use] = group_median(keys[use], values[use])
+        known = dict(zip(keys[use].tolist(), out[use].tolist()))
+        rest = np.flatnonzero(~use)
+        out[rest] = [known.get(k, v) for k, v in zip(keys[rest].tolist(), values[rest].tolist())]
+    return out
+
+
+def _waits(flat: Flat, end: np.ndarray, node_of: np.ndarray, dur: np.ndarray, dur_i: np.ndarray, P: int,
+           fixed: int) -> tuple[np.ndarray, ...]:
+    """Edges from each detached op's end to the first piece of its step that began after it ended
+    (the gap between them as measured, then the piece's duration)."""
+    w = flat.o_waiter.astype(np.int64)
+    ok = flat.o_detached.astype(bool) & (w >= 0)
+    ok[ok] = flat.i_block[w[ok]] == flat.i_block[flat.o_item[ok]]
+    k, w = np.flatnonzero(ok), w[ok]
+    gap = flat.i_start[w] - flat.o_end[k]
+    return (end[k], node_of[w], np.full(k.size, fixed), gap, gap,
+            flat.i_rank[w].astype(np.int64) * P + flat.i_name[w], dur[w], dur_i[w])
 
 
 def _fixed_zero(n: int, fixed: int) -> tuple[np.ndarray, ...]:
