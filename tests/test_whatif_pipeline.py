@@ -128,8 +128,11 @@ def test_slowed_stage_is_the_top_stage(runs: dict[str, Any]) -> None:
 def test_the_ideal_is_the_clean_runs_step(runs: dict[str, Any], name: str) -> None:
     ideal, clean, stat = _ideal_and_clean(runs, name)
     w = runs[name]["whatif"]
+    mean_gap = w["step_ms"]["ideal"] / runs["clean"]["whatif"]["step_ms"]["measured"] - 1
+    pp = {r["index"]: round(r["slowdown"], 3) for r in w["by_dim"]["pp"]}
     print(f"{name}: measured {w['step_ms']['measured']:.1f} ms, ideal {ideal:.1f} ms ({stat}), clean {clean:.1f} ms, "
-          f"{100 * (ideal / clean - 1):+.1f} %, S {w['slowdown']:.3f}, load {runs['load']:.2f} per CPU")
+          f"{100 * (ideal / clean - 1):+.1f} % (means: {100 * mean_gap:+.1f} %), S {w['slowdown']:.3f}, pp {pp}, "
+          f"top rank {w['by_rank'][0]['rank']}, load {runs['load']:.2f} per CPU")
     assert w["slowdown"] > 1.0  # within the run: the fault costs something
     assert ideal == pytest.approx(clean, rel=TOLERANCE), (
         f"{name}: ideal {ideal:.1f} ms vs the clean run's {clean:.1f} ms ({stat}; load {runs['load']:.1f} per CPU)")
