@@ -51,7 +51,8 @@ from otel_train.watchdog import Watchdog
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
 SIGTERM_RETRY_S = 0.005
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-SIGTERM_MAX_DEFERRALS = 200  # about a second; a write blocked that long (a hung mount) is not waited for
+SIGTERM_MAX_DEFERRALS = 200  # about a second; a record is never that long now (a hung mount holds the writer
+# thread, not the caller: docs/runtime.md, "A trace file that stops answering"), but nothing waits longer
 
 
 class StepTraceIdGenerator(IdGenerator):

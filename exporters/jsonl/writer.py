@@ -796,6 +796,7 @@ class QueuedWriter:
             size += len(line)
         self._dropped += records
         self._dropped_bytes_own += size
+        self._put(_Command(_close_file, last=True))  # should the write ever return: close the file, end the thread
         busy = self._stuck_since()
         why = (f"a write has not returned for {time.monotonic() - busy:.1f} s" if busy else
                f"the writer did not catch up within {CLOSE_TIMEOUT_S:g} s")

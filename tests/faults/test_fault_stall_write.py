@@ -155,9 +155,10 @@ def summary_counts(err: str) -> tuple[int, int]:
 
 
 def test_a_blocked_write_never_stops_training_and_sigterm_still_ends_it(tmp_path: Path) -> None:
-    holds = ("training goes on (every step within 2 s, design 0.1 s) while every write to the trace file blocks; "
-             "SIGTERM ends the process (dies of SIGTERM) within the shutdown deadline; every record not "
-             "written is counted: file + FIFO + counted = all records made, reported on stderr")
+    holds = ("training goes on (every step within 2 s, design: one wait of 0.1 s) while every write to the trace "
+             "file blocks; SIGTERM ends the process (dies of SIGTERM) within the shutdown deadline; every record "
+             "made is in the file or the FIFO or counted as not written (stderr), the write that never returned "
+             "counted whole")
     with reported("trace file writes block forever (a FIFO nobody reads), then SIGTERM", holds, 1):
         fifo = tmp_path / "stalled.fifo"
         os.mkfifo(fifo)
