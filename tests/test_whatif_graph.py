@@ -2,7 +2,7 @@
 with known answers, written as real JSONL records (tests/analysis_fixtures.py's encoder).
 
 The runs come from a small event simulator (:func:`play`): each rank runs a program of compute ops,
-eager sends, blocking recvs (they end ``latency`` ms after both sides arrived) and collectives
+eager sends, blocking recvs (they end ``latency`` ms after both the recv was posted and its send ended) and collectives
 (everyone leaves ``tail`` ms after the last member arrived), and writes the spans it would.
 """
 
@@ -54,7 +54,7 @@ class Rank:
 
 def play(ranks: list[Rank]) -> None:
     """Run every rank's program to its end (see the module doc), writing its records."""
-    sends: dict[tuple[str, int, int, int], float] = {}  # (group, src, dst, seq) -> the send's start
+    sends: dict[tuple[str, int, int, int], float] = {}  # (group, src, dst, seq) -> the send's end
     arrived: dict[tuple[str, int], dict[int, float]] = {}
     members: dict[str, int] = {}
     for r in ranks:
@@ -89,7 +89,7 @@ def _advance(r: Rank, sends: dict, arrived: dict, members: dict) -> bool:
         if key not in sends:
             return False
         p.start(schema.comm_span_name("recv"), **comm_attrs(op.group, op.seq, peer=op.peer))
-        p.now_ms = max(p.now_ms, sends[key]) + op.latency  # a rendezvous: the data moves once both are there
+        p.now_ms = max(p.now_ms, sends[key]) + op.latency  # the data moves once both are there
         p.end()
     elif op.kind == "coll":
         seen = arrived.setdefault((op.group, op.seq), {})
@@ -101,10 +101,10 @@ def _advance(r: Rank, sends: dict, arrived: dict, members: dict) -> bool:
         p.now_ms = max(seen.values()) + op.tail
         p.end()
     elif op.kind == "send":
-        sends[(op.group, me, op.peer, op.seq)] = p.now_ms
         p.start(schema.comm_span_name("send"), **comm_attrs(op.group, op.seq, peer=op.peer))
         p.advance(0.05)
         p.end()
+        sends[(op.group, me, op.peer, op.seq)] = p.now_ms  # the data is there once the send is done
     else:
         p.start(op.name)
         p.advance(op.dur)

@@ -5,6 +5,7 @@ the top attribution right in every case, the shares)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +45,18 @@ CASES = [(schedule, cause, SIZES[(j + k) % len(SIZES)], 10 + 6 * k + j)
 BIG = ("1f1b", "worker", (4, 4, 4, 8), 99)
 STEPS = 4
 
-MEAN_BIAS = ("the typical duration of an op is the mean over all ranks, the slow worker's included: with "
-             "{n} ranks the ideal keeps (1.5 - 1)/{n} of the slowdown in every compute op (the contract's "
-             "definition alone, replayed exactly, gives {oracle}; docs/analysis.md 'Simulator')")
-RECV = ("a recv's transfer (end minus the last arrival) is bimodal with eager sends: 0.32 ms when it waited for "
-        "its send, 0.02 ms when the data was there; the ideal gives every recv the median of the mixture")
-XFAIL: dict[tuple[str, str | None, tuple[int, int, int, int]], str] = {
-    ("gpipe", "worker", (2, 3, 2, 6)): "S 1.221 vs truth 1.292 (-5.5 %): " + MEAN_BIAS.format(n=12, oracle="-3.1 %")
-                                       + "; the rest: " + RECV,
-    ("1f1b", "worker", (2, 4, 2, 8)): "shares.worker 0.0 (named 'everyone', truth rank 9) and S 1.215 vs 1.266 "
-                                      "(-4.1 %): the 3 % of ranks are ranked by min(by_dim.dp, by_dim.pp), which ties "
-                                      "rank 9 with its tensor-parallel sibling 8, and the tie goes to the lower rank; "
-                                      + MEAN_BIAS.format(n=16, oracle="-2.3 %"),
-    ("interleaved", "worker", (2, 4, 1, 8)): "S 1.177 vs truth 1.226 (-3.9 %): " + MEAN_BIAS.format(n=8, oracle="-5.2 %"),
+DEFINITION_TOLERANCE = 0.01
+"""Our S against the contract's definition replayed exactly (Truth.definition), in every case: the
+implementation's own error (a recv's bimodal transfer gave 1-1.6 % before the recv joined its send's end)."""
+DEFINITION: dict[tuple[str, str | None, tuple[int, int, int, int]], str] = {
+    ("gpipe", "worker", (2, 3, 2, 6)): "S 1.252 vs truth 1.292 (-3.1 %); the definition replayed exactly: 1.252",
+    ("interleaved", "worker", (2, 4, 1, 8)): "S 1.162 vs truth 1.226 (-5.2 %); the definition replayed exactly: 1.162",
 }
-"""Cases the what-if misses after its owner's last commit (0a58b7a): (schedule, cause, size) -> why."""
+"""Cases that miss the S target only because of the contract's definition: (schedule, cause, size) ->
+the numbers. The typical duration of an op is the MEAN over all ranks (OSDI '25), the slow worker's
+included: with N ranks the ideal keeps (1.5 - 1)/N of its slowdown in every compute op, so S reads
+low (docs/analysis.md 'Simulator'). These cases are checked against ``Truth.definition()`` (every
+other target as usual) and their miss of the truth is recorded by an xfail(strict) test."""
 
 
 def attribution(out: dict[str, Any]) -> Any:
@@ -87,20 +85,26 @@ def typical(path: Path) -> dict[str, Any]:
     return whatif(load_run(path, warn=pytest.fail), method="typical")
 
 
-def check(out: dict[str, Any], truth: Truth) -> None:
-    """Issue 17's targets for one case, with every number in the message when one is missed."""
+def check(out: dict[str, Any], truth: Truth, definition: bool = False) -> None:
+    """Issue 17's targets for one case, with every number in the message when one is missed; S within
+    1 % of the contract's definition replayed exactly. ``definition``: S is not held to the truth, the
+    definition being itself more than 3 % off it (asserted: else the case is an ordinary one)."""
     steps = [int(k) for k in out["per_step"]]
-    got, want = out["slowdown"], truth.over(steps)
+    got, want, oracle = out["slowdown"], truth.over(steps), truth.definition(steps)
     actual = float(np.mean([truth.step_ms[k] for k in steps]))
     seen = attribution(out)
     detail = (f"S {got:.4f} vs truth {want:.4f} (actual {out['step_ms']['actual']:.2f} / ideal "
               f"{out['step_ms']['ideal']:.2f} ms; truth {actual:.2f} / {actual / want:.2f}, steps {steps}; "
-              f"the contract's definition replayed exactly: {truth.definition(steps):.4f}); "
+              f"the contract's definition replayed exactly: {oracle:.4f}); "
               f"named {seen!r}, truth {truth.top!r}; shares {out['shares']}; "
               f"top ranks {sorted(out['by_rank'], key=lambda r: -r['slowdown'])[:3]}; "
               f"top phases {sorted(out['by_phase'], key=lambda r: -r['slowdown'])[:3]}")
     assert out["method"] == "typical", detail
-    assert abs(got / want - 1.0) <= S_TOLERANCE, detail
+    assert abs(got / oracle - 1.0) <= DEFINITION_TOLERANCE, detail  # the implementation's own error
+    if definition:
+        assert abs(oracle / want - 1.0) > S_TOLERANCE, "the definition meets the target: " + detail
+    else:
+        assert abs(got / want - 1.0) <= S_TOLERANCE, detail
     assert len(steps) >= STEPS - 1, detail
     assert out["step_ms"]["actual"] == pytest.approx(actual, rel=1e-3), detail  # its own durations: the run
     if truth.cause is None:
@@ -112,21 +116,50 @@ def check(out: dict[str, Any], truth: Truth) -> None:
         assert out["shares"]["last_stage"] >= SHARE_TARGET, detail
 
 
-def _param(schedule: str, cause: str | None, size: tuple[int, int, int, int], seed: int) -> Any:
-    why = XFAIL.get((schedule, cause, size))
-    marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
-    dp, pp, tp, m = size
-    return pytest.param(schedule, cause, size, seed, marks=marks,
-                        id=f"{schedule}-{cause or 'clean'}-dp{dp}pp{pp}tp{tp}")
+Case = tuple[str, "str | None", tuple[int, int, int, int], int]
 
 
-@pytest.mark.parametrize("schedule,cause,size,seed", [_param(*c) for c in [*CASES, BIG]])
-def test_typical_finds_the_injected_cause(tmp_path: Path, schedule: str, cause: str | None,
-                                          size: tuple[int, int, int, int], seed: int) -> None:
-    dp, pp, tp, m = size
-    truth = write_job(tmp_path / "run", dp=dp, pp=pp, tp=tp, steps=STEPS, microbatches=m,
-                      schedule=schedule, cause=cause, seed=seed)
-    check(typical(tmp_path / "run"), truth)
+@pytest.fixture(scope="module")
+def solve(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Case], tuple[dict[str, Any], Truth]]:
+    """A case's what-if answer and truth, each job written and answered once per module."""
+    done: dict[Case, tuple[dict[str, Any], Truth]] = {}
+
+    def get(case: Case) -> tuple[dict[str, Any], Truth]:
+        if case not in done:
+            schedule, cause, (dp, pp, tp, m), seed = case
+            path = tmp_path_factory.mktemp("run") / "run"
+            truth = write_job(path, dp=dp, pp=pp, tp=tp, steps=STEPS, microbatches=m, schedule=schedule,
+                              cause=cause, seed=seed)
+            done[case] = (typical(path), truth)
+        return done[case]
+
+    return get
+
+
+def _id(schedule: str, cause: str | None, size: tuple[int, int, int, int], seed: int) -> str:
+    dp, pp, tp, _ = size
+    return f"{schedule}-{cause or 'clean'}-dp{dp}pp{pp}tp{tp}"
+
+
+@pytest.mark.parametrize("schedule,cause,size,seed", [pytest.param(*c, id=_id(*c)) for c in [*CASES, BIG]])
+def test_typical_finds_the_injected_cause(solve: Callable[[Case], tuple[dict[str, Any], Truth]], schedule: str,
+                                          cause: str | None, size: tuple[int, int, int, int], seed: int) -> None:
+    """Every target; S against the definition where only the definition misses the truth (DEFINITION)."""
+    out, truth = solve((schedule, cause, size, seed))
+    check(out, truth, definition=(schedule, cause, size) in DEFINITION)
+
+
+@pytest.mark.parametrize("schedule,cause,size,seed", [
+    pytest.param(*c, id=_id(*c), marks=pytest.mark.xfail(strict=True, reason=DEFINITION[c[:3]]))
+    for c in [*CASES, BIG] if c[:3] in DEFINITION])
+def test_typical_s_within_target_of_the_truth_despite_the_definition(
+        solve: Callable[[Case], tuple[dict[str, Any], Truth]], schedule: str, cause: str | None,
+        size: tuple[int, int, int, int], seed: int) -> None:
+    """The S target against the truth itself for the DEFINITION cases: missed (the mean holds the
+    slow worker), recorded as strict xfails so that a change of the definition shows up."""
+    out, truth = solve((schedule, cause, size, seed))
+    want = truth.over([int(k) for k in out["per_step"]])
+    assert abs(out["slowdown"] / want - 1.0) <= S_TOLERANCE, f"S {out['slowdown']:.4f} vs truth {want:.4f}"
 
 
 def test_typical_survives_microsecond_p2p_ops(tmp_path: Path) -> None:

@@ -14,7 +14,9 @@ the cluster ends when its last op ends. A collective (matched by group and ``com
 every member ends no earlier than the last member's arrival plus its own *transfer* time (measured:
 its end minus the last arrival, on the aligned clock), nor before its own arrival. A send/recv pair
 (matched by group, sender, receiver and ``comm.seq``) is a join of two whose recv alone waits: it ends
-no earlier than the later of the two arrivals plus its transfer; the send ends ``dur`` (as measured,
+no earlier than the later of its own arrival and the send's *end*, plus its own transfer (measured:
+its end minus that time, so one value whether it waited for the data or found it there); the send
+ends ``dur`` (as measured,
 or typical) after its own arrival, never waiting for the recv (so two ranks that each send, then
 receive, never wait for each other). An op whose other side is missing, or whose members sit in
 different steps, ends ``dur`` after its arrival.
@@ -462,14 +464,16 @@ def joins(flat: Flat) -> Joins:
     lo, hi = np.full(m, np.iinfo(np.int64).max), np.full(m, np.iinfo(np.int64).min)
     np.minimum.at(lo, inv, block)
     np.maximum.at(hi, inv, block)
+    # A collective's members are ready at their arrivals; a p2p pair at the recv's arrival and the
+    # send's end (the data is there when the send is done: the recv's own transfer is what follows).
     last = np.full(m, -np.inf)
-    np.maximum.at(last, inv, flat.o_start)
+    np.maximum.at(last, inv, np.where(flat.o_send, flat.o_end, flat.o_start))
     valid = (np.bincount(inv, minlength=m) >= 2) & (lo == hi)
     ids = np.cumsum(valid) - 1
     of = np.where(valid[inv], ids[inv], -1)
     transfer = flat.o_end - last[inv]
     # A send never waits for its recv (its own duration, measured, holds whatever waiting it did):
-    # only the recv ends no earlier than its send's arrival plus its transfer.
+    # only the recv ends no earlier than the later of its arrival and its send's end, plus its transfer.
     waits = (of >= 0) & ~flat.o_send
     return Joins(of, waits, transfer, lo[valid])
 
@@ -518,8 +522,9 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
         # ... and, waiting, than its join (the last arrival) + its transfer
         (join[jn.of[w]], end[w], o_own[w], jn.transfer[w], tr_i[w], np.full(int(w.sum()), fixed),
          np.zeros(int(w.sum())), np.zeros(int(w.sum()))),
-        # a join waits for every member's arrival
-        (arrive[jn.of >= 0], join[jn.of[jn.of >= 0]]) + _fixed_zero(int((jn.of >= 0).sum()), fixed),
+        # a join waits for every member's arrival (a send's: its end)
+        (np.where(flat.o_send, end, arrive)[jn.of >= 0], join[jn.of[jn.of >= 0]])
+        + _fixed_zero(int((jn.of >= 0).sum()), fixed),
         # a cluster of several ops ends when its last op ends (a detached op: when it began)
         (np.where(det, arrive, end)[~alone], o_item[~alone]) + _fixed_zero(int((~alone).sum()), fixed),
         # the first piece that began after a detached op ended waits for it

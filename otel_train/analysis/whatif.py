@@ -432,15 +432,19 @@ def _combine(parts: list[tuple[graph.Graph, dict[Any, np.ndarray]]]) -> Replayed
 
 def _workers(gs: list[graph.Graph], rep: Replayed, ideal: float) -> set[int]:
     """The ``WORKER_SHARE`` of ranks with the highest min(by_dim.dp, by_dim.pp) of their coordinates
-    (their by_rank slowdown without those dims)."""
+    (their by_rank slowdown without those dims). Ranks that share both coordinates (tensor-parallel
+    siblings) tie: the tie goes to the higher ``by_rank``, then to the lower rank."""
     score: dict[int, float] = {}
+    own: dict[int, float] = {}
     for g in gs:
         coords = {d: c for d, c in _coords(g).items() if d in ("dp", "pp")}
         for i, r in enumerate(g.ranks):
             dims = [rep.mean(("dim", d, int(c[i]))) for d, c in coords.items() if c[i] >= 0]
             score[r] = max(score.get(r, -np.inf), min(dims) if dims else rep.mean(("rank", r)))
+            mine = rep.mean(("rank", r))
+            own[r] = max(own.get(r, -np.inf), mine if np.isfinite(mine) else -np.inf)
     n = max(1, int(np.ceil(WORKER_SHARE * len(score))))
-    return set(sorted(score, key=lambda r: (-score[r], r))[:n])
+    return set(sorted(score, key=lambda r: (-score[r], -own[r], r))[:n])
 
 
 def _share(actual: float, ideal: float, without: float) -> float | None:
