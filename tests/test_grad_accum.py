@@ -75,9 +75,13 @@ def test_only_the_slow_ranks_data_fetch_is_named(runs: dict[str, Path], variant:
     assert sorted(backward) == [0, 1] and all(b.size == STEPS for b in backward.values())
     assert (backward[0] > backward[1]).sum() >= 0.9 * STEPS, backward
     found = summarize(runs[variant], warn=pytest.fail)["findings"]
-    assert [(f["kind"], f["rank"], f["phase"]) for f in found] == [("straggler", SLOW_RANK, DATA_FETCH)], found
-    assert all(f["rank"] != 0 for f in found)
-    assert found[0]["cost_ms"] > 0 and "costs" in found[0]["message"]
+    # Rank 0, the victim, is named nowhere; rank 1's data_fetch is named once, and is what costs most.
+    assert [f for f in found if f["rank"] != SLOW_RANK or f["kind"] != "straggler"] == [], found
+    assert [f["phase"] for f in found].count(DATA_FETCH) == 1, found
+    top = max(found, key=lambda f: f["cost_ms"])
+    assert top["phase"] == DATA_FETCH and top["cost_ms"] > 0 and "costs" in top["message"], found
+    # (On a quiet machine that is the only finding; at 6 runnable processes per CPU rank 1's own
+    # forward ran 1.8 ms slower once, the busy loop costing it its CPU share: named, rightly, as rank 1's.)
     pair = whatif(run)["by_rank_phase"][0]
     assert (pair["rank"], pair["phase"]) == (SLOW_RANK, DATA_FETCH)
 
