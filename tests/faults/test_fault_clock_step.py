@@ -34,6 +34,7 @@ from comm_sim import declare, dp_steps
 from faultlib import reported, trials
 
 from otel_train import schema as S
+from otel_train.analysis.live import LiveRun
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize
 
@@ -190,7 +191,7 @@ def test_a_clock_step_does_not_change_a_crash(tmp_path: Path) -> None:
     cases = _cases(("-0.5s", "+60s", "-60s")) if trials(1) > 1 else [("-60s", "3")]
     holds = ("3 ranks, rank 2 SIGKILLed inside optimizer; the host's wall clock steps -0.5 s / +60 s / -60 s "
              "at the crash or at a random step before: summarize says crash rank 2 and nothing else about "
-             "ranks 0, 1; every process's spans in order, durations positive; the step is recorded")
+             "ranks 0, 1, nor does watch; every process's spans in order, durations positive; the step is recorded")
     with reported("wall-clock step mid-run: a crash (libfaketime)", holds, len(cases)):
         for i, (offset, where) in enumerate(cases):
             save = tmp_path / f"crash{i}"
@@ -205,6 +206,12 @@ def test_a_clock_step_does_not_change_a_crash(tmp_path: Path) -> None:
                 for name, series in d.phases.items():
                     assert 0 <= min(series.durs) and max(series.durs) < 30_000, (offset, where, d.rank, name)
             _assert_in_order(save, offset, where)
+            live = LiveRun(save, warn=lambda _: None, background=False)  # watch, on the finished run
+            events = live.poll() + live.poll()
+            live.close()
+            seen = [(e["finding"]["kind"], e["finding"]["rank"]) for e in events
+                    if e["type"] == "finding" and e["finding"]["kind"] in ("crash", "hang")]
+            assert seen and seen[0] == ("crash", 2) and all(rank == 2 for _, rank in seen), (offset, where, seen)
             if where != "fault" and abs(float(offset[:-1])) >= 1:
                 _assert_step_recorded(save, offset)
 
