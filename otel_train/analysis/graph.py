@@ -102,6 +102,8 @@ class Graph:
     collective: set[str] = field(default_factory=set)  # the phases of comm ops (or sync spans)
     kind: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # per node: PIECE, ARRIVE, ...
     plans: dict[Any, Any] = field(default_factory=dict, repr=False)
+    block_plans: dict[int, Any] = field(default_factory=dict, repr=False)  # block -> its plan (one of plans)
+    terms: Any = field(default=None, repr=False)  # the weights' typical sums and deltas (see _weights)
 
     @property
     def fixed(self) -> int:
@@ -214,12 +216,22 @@ def _comm(d: ProcessState, names: Names, descs: dict[str, str], window: Window |
     dst = np.where(send, peer, d.rank)
     g = gid[codes[:, 0]]
     key = np.where(p2p, (((g * 4096 + src) * 4096 + dst) << 24) + seq + (1 << 62), (g << 32) + seq)
-    triple = np.stack([codes[ok, 1].astype(np.int64), codes[ok, 0].astype(np.int64), nbytes[ok]], axis=1)
-    uniq, inv = np.unique(triple, axis=0, return_inverse=True) if triple.size else (triple, np.empty(0, np.int64))
-    tk = np.array([names.tkey((s[o] or "", descs.get(s[gc] or "", ""), int(nb))) for o, gc, nb in uniq.tolist()],
-                  np.int64)
-    tkey = tk[inv.reshape(-1)] if inv.size else np.empty(0, np.int64)
+    tkey = _tkeys(codes[ok, 1].astype(np.int64), codes[ok, 0].astype(np.int64), nbytes[ok], s, names, descs)
     return [start[ok], end[ok], step[ok].copy(), op_of[codes[ok, 1]], key[ok], send[ok], tkey]
+
+
+def _tkeys(op: np.ndarray, grp: np.ndarray, nbytes: np.ndarray, s: Sequence[str | None], names: Names,
+           descs: dict[str, str]) -> np.ndarray:
+    """Each op's typical-transfer key: (op name, group desc, bytes), numbered in ``names`` (one 1-D
+    unique over a combined int64 code, not a row-wise unique of the triples)."""
+    if op.size == 0:
+        return np.empty(0, np.int64)
+    nb, nbi = np.unique(nbytes, return_inverse=True)
+    uniq, inv = np.unique((op * len(s) + grp) * nb.size + nbi.reshape(-1), return_inverse=True)
+    pair, size = uniq // nb.size, nb[uniq % nb.size]
+    tk = [names.tkey((s[o] or "", descs.get(s[g] or "", ""), int(n)))
+          for o, g, n in zip((pair // len(s)).tolist(), (pair % len(s)).tolist(), size.tolist())]
+    return np.array(tk, np.int64)[inv.reshape(-1)]
 
 
 def rank_ops(d: ProcessState, names: Names, descs: dict[str, str], sync: Sequence[str], window: Window | None,
@@ -354,31 +366,45 @@ def chain(ro: RankOps) -> Chain:
 SYNC_DEFAULT = ("backward",)
 
 
+def _dense(keys: np.ndarray) -> np.ndarray:
+    """Small non-negative group numbers for ``keys`` (the keys themselves when they already are: no sort)."""
+    lo, hi = int(keys.min()), int(keys.max())
+    if hi - lo <= 4 * keys.size + 4096:
+        return keys - lo
+    return np.unique(keys, return_inverse=True)[1].reshape(-1)
+
+
 def group_mean(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Each element's group mean (groups by equal key)."""
     if keys.size == 0:
         return values.astype(float)
-    _, inv = np.unique(keys, return_inverse=True)
-    return (np.bincount(inv, weights=values) / np.bincount(inv))[inv]
+    inv = _dense(keys)
+    counts = np.bincount(inv)
+    return (np.bincount(inv, weights=values) / np.maximum(counts, 1))[inv]
 
 
 def group_median(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     """Each element's group median (groups by equal key)."""
     if keys.size == 0:
         return values.astype(float)
-    uniq, inv = np.unique(keys, return_inverse=True)
-    if uniq.size <= 64:  # few keys (the usual case): a median per key beats sorting everything twice
-        out = np.empty(values.size)
-        for k in range(uniq.size):
-            mine = inv == k
-            out[mine] = np.median(values[mine])
-        return out
+    inv = _dense(keys)
+    return _medians(inv, values, int(inv.max()) + 1)[inv]
+
+
+def _medians(inv: np.ndarray, values: np.ndarray, m: int) -> np.ndarray:
+    """The median of each group ``0..m-1`` of ``values`` (``inv``: each value's group; NaN: empty)."""
+    counts = np.bincount(inv, minlength=m)
+    med = np.full(m, np.nan)
+    present = np.flatnonzero(counts)
+    if present.size <= 64:  # few keys (the usual case): a median per key beats sorting everything twice
+        for k in present.tolist():
+            med[k] = np.median(values[inv == k])
+        return med
     order = np.lexsort((values, inv))
-    counts = np.bincount(inv)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])[present]
     v = values[order]
-    med = (v[first + (counts - 1) // 2] + v[first + counts // 2]) / 2.0
-    return med[inv]
+    med[present] = (v[first + (counts[present] - 1) // 2] + v[first + counts[present] // 2]) / 2.0
+    return med
 
 
 @dataclass(slots=True)
@@ -484,10 +510,11 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     item's node.
 
     Nodes: one per piece (its end) and per cluster of several ops (its exit), then each op's
-    arrival, each op's end (a one-op cluster's item node), each join."""
+    arrival, each op's end (a one-op cluster's item node), each join. An op alone in its cluster has
+    no arrival node: its edges leave the item before it, carrying the lead (its offset is 0)."""
     ni, no, nj = flat.i_start.size, flat.o_start.size, jn.block.size
-    arrive, end, join = ni + np.arange(no), ni + no + np.arange(no), ni + 2 * no + np.arange(nj)
-    rank, item = flat.i_rank.astype(np.int64), np.arange(ni)
+    arrive, end = ni + np.arange(no), ni + no + np.arange(no)
+    item = np.arange(ni)
     o_item = flat.o_item
     det = flat.o_detached.astype(bool)
     single = (flat.i_piece < 0) & (np.bincount(o_item, minlength=ni) == 1) & (np.bincount(o_item, det, ni) == 0)
@@ -495,50 +522,81 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     node_of = item.copy()
     node_of[o_item[alone]] = end[alone]
     prev = flat.i_prev
+    rank = flat.i_rank.astype(np.int64)
     same = (prev >= 0) & (flat.i_block[np.maximum(prev, 0)] == flat.i_block)
     from_ = np.where(same, node_of[np.maximum(prev, 0)], -1 - rank)  # the previous item, or the boundary
     lead = np.where(prev >= 0, flat.i_start - flat.i_end[np.maximum(prev, 0)], 0.0)
-    ikey = flat.i_name * (1 << 20) + flat.i_piece + 1
-    lead_i = _lead_ideal(ikey, lead, prev >= 0)
-    piece = flat.i_piece >= 0
-    dur = flat.i_end - flat.i_start
-    dur_i = np.zeros(ni)
-    dur_i[piece] = group_mean(ikey[piece], dur[piece])
-    o_rank = flat.o_rank.astype(np.int64)
-    o_dur, tr_i, du_i = _op_typicals(flat, jn, det)
-    w = jn.waits
-    untr = rank * P
-    o_own = o_rank * P + flat.o_name
-    cols = [
-        # pieces: lead (untraced) + dur (the piece's phase); clusters' exits get their ops' ends below
-        (from_[piece], item[piece], untr[piece], lead[piece], lead_i[piece],
-         rank[piece] * P + flat.i_name[piece], dur[piece], dur_i[piece]),
-        # each op arrives lead + offset after the item before its cluster
-        (from_[o_item], arrive, untr[o_item], lead[o_item], lead_i[o_item], np.full(no, fixed),
-         flat.o_start - flat.i_start[o_item], flat.o_start - flat.i_start[o_item]),
-        # an op ends no earlier than its arrival (+ its dur when it waits for no join)
-        (arrive, end, o_own, np.where(w, 0.0, o_dur), np.where(w, 0.0, du_i), np.full(no, fixed), np.zeros(no),
-         np.zeros(no)),
-        # ... and, waiting, than its join (the last arrival) + its transfer
-        (join[jn.of[w]], end[w], o_own[w], jn.transfer[w], tr_i[w], np.full(int(w.sum()), fixed),
-         np.zeros(int(w.sum())), np.zeros(int(w.sum()))),
-        # a join waits for every member's arrival (a send's: its end)
-        (np.where(flat.o_send, end, arrive)[jn.of >= 0], join[jn.of[jn.of >= 0]])
-        + _fixed_zero(int((jn.of >= 0).sum()), fixed),
-        # a cluster of several ops ends when its last op ends (a detached op: when it began)
-        (np.where(det, arrive, end)[~alone], o_item[~alone]) + _fixed_zero(int((~alone).sum()), fixed),
-        # the first piece that began after a detached op ended waits for it
-        _waits(flat, end, node_of, dur, dur_i, P, fixed),
-    ]
-    edges = [np.concatenate([np.asarray(c[k]) for c in cols]) for k in range(8)]
-    kinds = np.concatenate([np.where(piece, PIECE, EXIT), np.full(no, ARRIVE), np.full(no, END), np.full(nj, JOIN)])
+    cols = _columns(flat, jn, P, fixed, Nodes(arrive, end, ni + 2 * no + np.arange(nj), from_, node_of, alone),
+                    lead, rank)
+    edges = [np.concatenate([c[k] for c in cols]) for k in range(8)]
+    kinds = np.concatenate([np.where(flat.i_piece >= 0, PIECE, EXIT), np.full(no, ARRIVE), np.full(no, END),
+                            np.full(nj, JOIN)])
     blocks = np.concatenate([flat.i_block, flat.i_block[o_item], flat.i_block[o_item], jn.block])
     alive = np.ones(kinds.size, bool)
     alive[item[single]] = False  # a one-op cluster's node is its op's end
+    alive[arrive[alone]] = False  # ... and its op's edges leave the item before it
     renum = np.cumsum(alive) - 1
-    edges[0] = np.where(edges[0] >= 0, renum[np.maximum(edges[0], 0).astype(np.int64)], edges[0])
-    edges[1] = renum[edges[1].astype(np.int64)]
+    edges[0] = np.where(edges[0] >= 0, renum[np.maximum(edges[0], 0)], edges[0])
+    edges[1] = renum[edges[1]]
     return edges, kinds[alive], blocks[alive], renum[node_of]
+
+
+@dataclass(slots=True)
+class Nodes:
+    """Node ids of :func:`_edges`: per op its arrival and end, per join its node; per item the node
+    its ops and pieces follow (``from_``, negative: the rank's boundary) and its own node."""
+
+    arrive: np.ndarray
+    end: np.ndarray
+    join: np.ndarray
+    from_: np.ndarray
+    node_of: np.ndarray
+    alone: np.ndarray
+
+
+def _columns(flat: Flat, jn: Joins, P: int, fixed: int, nd: Nodes, lead: np.ndarray, rank: np.ndarray
+             ) -> list[tuple[np.ndarray, ...]]:
+    """The edge columns of :func:`_edges`, by kind of edge."""
+    o_item, al, na = flat.o_item, nd.alone, ~nd.alone
+    ikey = flat.i_name * (int(flat.i_piece.max(initial=0)) + 2) + flat.i_piece + 1  # (name, piece), compact
+    lead_i = _lead_ideal(ikey, lead, flat.i_prev >= 0)
+    piece = flat.i_piece >= 0
+    dur = flat.i_end - flat.i_start
+    dur_i = np.zeros(dur.size)
+    dur_i[piece] = group_mean(ikey[piece], dur[piece])
+    det = flat.o_detached.astype(bool)
+    o_dur, tr_i, du_i = _op_typicals(flat, jn, det)
+    w, member = jn.waits, jn.of >= 0
+    o_own = flat.o_rank.astype(np.int64) * P + flat.o_name
+    d_m, d_i = np.where(w, 0.0, o_dur), np.where(w, 0.0, du_i)
+    # a waiting op alone in its cluster: its end after its join never comes before its arrival
+    # (the join is at least its arrival) unless a transfer is negative; only then the edge is kept
+    direct = al & (~w | (jn.transfer < 0) | (tr_i < 0))
+    off = flat.o_start - flat.i_start[o_item]
+    untr, fi = rank * P, lambda n: np.full(n, fixed)
+    lo, li, fr, un = lead[o_item], lead_i[o_item], nd.from_[o_item], untr[o_item]
+    via = member & (flat.o_send | na)  # join inputs from a node of the op: a send's end, else its arrival
+    return [
+        # pieces: lead (untraced) + dur (the piece's phase); clusters' exits get their ops' ends below
+        (nd.from_[piece], np.flatnonzero(piece), untr[piece], lead[piece], lead_i[piece],
+         rank[piece] * P + flat.i_name[piece], dur[piece], dur_i[piece]),
+        # each op of a cluster of several arrives lead + offset after the item before its cluster
+        (fr[na], nd.arrive[na], un[na], lo[na], li[na], fi(int(na.sum())), off[na], off[na]),
+        # ... and ends no earlier than its arrival (+ its dur when it waits for no join)
+        (nd.arrive[na], nd.end[na], o_own[na], d_m[na], d_i[na]) + _fixed_zero(int(na.sum()), fixed)[:3],
+        # an op alone ends no earlier than lead + (its dur when it waits for no join) after the item before
+        (fr[direct], nd.end[direct], un[direct], lo[direct], li[direct], o_own[direct], d_m[direct], d_i[direct]),
+        # ... and, waiting, than its join (the last arrival) + its transfer
+        (nd.join[jn.of[w]], nd.end[w], o_own[w], jn.transfer[w], tr_i[w]) + _fixed_zero(int(w.sum()), fixed)[:3],
+        # a join waits for every member's arrival (a send's: its end; an op alone: lead after the item before)
+        (np.where(flat.o_send, nd.end, nd.arrive)[via], nd.join[jn.of[via]]) + _fixed_zero(int(via.sum()), fixed),
+        (fr[member & ~via], nd.join[jn.of[member & ~via]], un[member & ~via], lo[member & ~via], li[member & ~via])
+        + _fixed_zero(int((member & ~via).sum()), fixed)[:3],
+        # a cluster of several ops ends when its last op ends (a detached op: when it began)
+        (np.where(det, nd.arrive, nd.end)[na], o_item[na]) + _fixed_zero(int(na.sum()), fixed),
+        # the first piece that began after a detached op ended waits for it
+        _waits(flat, nd.end, nd.node_of, dur, dur_i, P, fixed),
+    ]
 
 
 def _op_typicals(flat: Flat, jn: Joins, det: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -556,10 +614,9 @@ def _typical_of(keys: np.ndarray, values: np.ndarray, use: np.ndarray) -> np.nda
     says when a recorder saw it done, not when it was: it joins no typical value), else its own."""
     out = values.astype(float)
     if use.any():
-        out[use] = group_median(keys[use], values[use])
-        known = dict(zip(keys[use].tolist(), out[use].tolist()))
-        rest = np.flatnonzero(~use)
-        out[rest] = [known.get(k, v) for k, v in zip(keys[rest].tolist(), values[rest].tolist())]
+        inv = _dense(keys)
+        got = _medians(inv[use], values[use], int(inv.max()) + 1)[inv]
+        out = np.where(np.isnan(got), out, got)
     return out
 
 
@@ -718,6 +775,14 @@ def _levels(src: np.ndarray, dst: np.ndarray, n: int, is_join: np.ndarray) -> tu
 
 def plan(g: Graph, b: int) -> Plan:
     """Block ``b``'s :class:`Plan`, shared by every block with the same structure (cached on ``g``)."""
+    got = g.block_plans.get(b)
+    if got is not None:
+        return got
+    g.block_plans[b] = got = _plan(g, b)
+    return got
+
+
+def _plan(g: Graph, b: int) -> Plan:
     R = len(g.ranks)
     n0, n1, e0, e1 = g.nodes[b], g.nodes[b + 1], g.edges[b], g.edges[b + 1]
     src, dst = g.src[e0:e1], g.dst[e0:e1]
@@ -772,19 +837,28 @@ def _inputs(pd: np.ndarray, ps: np.ndarray, edge: np.ndarray, p0: int, pm: int, 
     return ps[q0:qm], edge[q0:qm], idx, wid
 
 
+def _weight_terms(g: Graph) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """(per edge the sum of its typical terms, per term ``measured - typical``, per term the edges
+    where that differs), computed once per graph."""
+    if g.terms is None:
+        with np.errstate(invalid="ignore"):
+            delta = np.where(g.wm == g.wi, 0.0, g.wm - g.wi)  # -inf (an edge that never binds) on both sides: 0
+        g.terms = (g.wi.sum(axis=1), delta, [np.flatnonzero(delta[:, t] != 0.0) for t in (0, 1)])
+    return g.terms
+
+
 def _weights(g: Graph, keep: np.ndarray, e0: int, n: int) -> np.ndarray:
     """Edge weights (ms, edges x scenarios, plus a zero padding row): the typical terms, plus
     ``measured - typical`` where the owner is kept; only edges whose two values differ are looked up."""
-    own, wm, wi = g.own[e0:e0 + n], g.wm[e0:e0 + n], g.wi[e0:e0 + n]
+    base, delta, rows = _weight_terms(g)
     W = np.empty((n + 1, keep.shape[1]))
-    W[:-1] = wi.sum(axis=1)[:, None]
+    W[:-1] = base[e0:e0 + n, None]
     W[-1] = 0.0
-    with np.errstate(invalid="ignore"):
-        delta = np.where(wm == wi, 0.0, wm - wi)  # -inf (an edge that never binds) on both sides: 0
     for t in (0, 1):
-        rows = np.flatnonzero(delta[:, t] != 0.0)
-        if rows.size:
-            W[rows] += keep[own[rows, t]] * delta[rows, t:t + 1]
+        lo, hi = np.searchsorted(rows[t], (e0, e0 + n))
+        r = rows[t][lo:hi]
+        if r.size:
+            W[r - e0] += keep[g.own[r, t]] * delta[r, t, None]
     return W
 
 
