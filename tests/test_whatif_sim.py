@@ -301,3 +301,20 @@ def test_bad_layouts_are_refused(tmp_path: Path) -> None:
         write_job(tmp_path, dp=1, pp=2, tp=1, cause="collective")
     with pytest.raises(ValueError, match="cause must be"):
         write_job(tmp_path, cause="cosmic rays")
+
+
+def test_summarize_names_the_slow_worker_not_the_ranks_its_pipeline_made_wait(tmp_path: Path) -> None:
+    """A 1F1B job with one slow worker, over enough steps for the straggler rules (10 at least): the
+    slow rank is named, and the other stages of its replica, late at their data-parallel all-reduce
+    only because they waited in recvs for it, are not (the arrival rule named them before;
+    findings.ARRIVAL_VICTIM_SHARE)."""
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    truth = write_job(tmp_path / "run", dp=2, pp=4, tp=1, steps=20, microbatches=8, schedule="1f1b",
+                      cause="worker", seed=3)
+    done = CliRunner().invoke(app, ["summarize", str(tmp_path / "run"), "--json"])
+    assert done.exit_code == 0, done.output
+    found = [f for f in json.loads(done.output)["findings"] if f["kind"] == "straggler"]
+    assert found and {f["rank"] for f in found} == {truth.top}, found

@@ -98,6 +98,9 @@ ARRIVAL_MIN_GAP_MS = 1.0
 """... by a median margin over the second-to-last arrival of at least this many ms ..."""
 ARRIVAL_MIN_GAP_PCT = 5.0
 """... and this percentage of the rank's median step time."""
+ARRIVAL_VICTIM_SHARE = 0.5
+"""... unless at least this share of its margin is time it waited earlier in the step in comm ops (a
+recv for a slow pipeline stage) beyond its peers' median waiting: then it is a victim, not named."""
 
 
 def _finding(kind: str, d: ProcessState | None, step: int | None, phase: str | None, message: str, **extra: Any):
@@ -425,7 +428,7 @@ def straggler_findings(group: Sequence[ProcessState], order: Sequence[str] | Non
         out = _most_specific(group, out)
     out = _with_costs(group, out, window, graph.clock if graph is not None else None,
                       judge=not _pipelined(group, graph))
-    return _with_arrivals(out, arrival_findings(group, graph, window) if graph is not None else [])
+    return _with_arrivals(out, arrival_findings(group, graph, window, waits) if graph is not None else [])
 
 
 def _step_children(group: Sequence[ProcessState], names: Sequence[str]) -> set[str]:
@@ -825,17 +828,19 @@ def _without_waiting(table: PeerTable, group: Sequence[ProcessState], name: str,
     return PeerTable(table.phase, table.steps, durs, peer_medians(durs))
 
 
-def arrival_findings(group: Sequence[ProcessState], graph: CommGraph | None, window: Window | None = None
-                     ) -> list[dict[str, Any]]:
+def arrival_findings(group: Sequence[ProcessState], graph: CommGraph | None, window: Window | None = None,
+                     waits: dict[int, np.ndarray] | None = None) -> list[dict[str, Any]]:
     """Stragglers by arrival: at each collective the last member to arrive made the others wait.
 
     Per group (and clock domain: arrivals on the reference clock, docs/clock.md), a rank is named when it is
     last at a share of the collectives that 1 / members cannot explain (binomial p < ``ARRIVAL_MAX_P``,
     at least ``ARRIVAL_MIN_SHARE``) by a median margin of at least ``ARRIVAL_MIN_GAP_MS`` and
     ``ARRIVAL_MIN_GAP_PCT`` of its median step; ``cost_ms`` is what its peers waited at those collectives.
+    A rank late because it waited in comm ops earlier in the step (``ARRIVAL_VICTIM_SHARE``) is not named.
     """
     if graph is None:
         return []
+    waits = _waits(group, graph) if waits is None else waits
     by_key: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
     for a in graph.arrivals():
         if window is None or (a.step is not None and window[0] <= a.step <= window[1]):
@@ -846,6 +851,8 @@ def arrival_findings(group: Sequence[ProcessState], graph: CommGraph | None, win
         for rank in {a.last for a in seen}:
             d = by_rank.get(rank)
             f = _arrival_finding(d, g, members, seen, group, graph) if d is not None else None
+            if f is not None and _late_by_waiting(d, g, [a for a in seen if a.last == rank], group, graph, waits):
+                f = None  # a victim: its lateness is waiting for someone else (issue 17, item 6)
             if f is not None and (rank not in best or f["cost_ms"] > best[rank]["cost_ms"]):
                 best[rank] = f
     return [best[r] for r in sorted(best)]
@@ -881,6 +888,43 @@ def _arrival_finding(d: ProcessState, g: str, members: tuple[int, ...], seen: li
     return _finding(STRAGGLER, d, worst.step, phase, message, p_value=p, gap_ms=gap, cost_ms=cost, waited_ms=cost,
                     cost_per_step_ms=cost / len(steps) if steps else None, slow_steps=len(steps), victims=peers,
                     comm=comm, by="arrival")
+
+
+def _late_by_waiting(d: ProcessState, g: str, last: list[Any], group: Sequence[ProcessState], graph: CommGraph,
+                     waits: dict[int, np.ndarray]) -> bool:
+    """Whether ``d``'s lateness at the collectives it arrived last at is its own waiting: the median,
+    over them, of (what it waited in comm ops earlier in the step minus the other members' median of
+    the same) is at least ``ARRIVAL_VICTIM_SHARE`` of its median margin."""
+    if not waits or not last:
+        return False
+    before = {p.rank: _Waited(waits.get(p.rank), p) for p in group}
+    excess = []
+    for a in last:
+        ops = graph.collectives.get((g, a.seq), {})
+        w = {m: before[m].until(ops[m].start) for m in a.members if m in before and m in ops and ops[m].start is not None}
+        others = [v for m, v in w.items() if m != d.rank]
+        if d.rank in w and others:
+            excess.append(w[d.rank] - float(np.median(others)))
+    gap = float(np.median([a.gap_ms for a in last]))
+    return bool(excess) and float(np.median(excess)) >= ARRIVAL_VICTIM_SHARE * gap
+
+
+class _Waited:
+    """One rank's waiting in comm ops (rows of :func:`_waits`), summed from the start of the step
+    span holding a time to that time (ms; own clock)."""
+
+    def __init__(self, rows: np.ndarray | None, d: ProcessState) -> None:
+        rows = np.empty((0, 3)) if rows is None else rows[np.argsort(rows[:, 1])]
+        self.ends, self.cum = rows[:, 1], np.concatenate([[0.0], np.cumsum(rows[:, 2])])
+        _, ms, ends = columns(d, STEP)
+        self.starts = np.sort(ends - ms / 1000.0)
+
+    def until(self, t: float) -> float:
+        i = int(np.searchsorted(self.starts, t, side="right")) - 1
+        if i < 0 or not self.ends.size:
+            return 0.0
+        lo, hi = np.searchsorted(self.ends, (self.starts[i], t + 1e-9))
+        return float(self.cum[hi] - self.cum[lo]) * 1000.0
 
 
 def _arrival_phase(d: ProcessState, last: list[Any], group: Sequence[ProcessState], graph: CommGraph
