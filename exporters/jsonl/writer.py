@@ -1,8 +1,9 @@
 """Crash-safe, size-rotating, append-only line writer for one rank's trace file, and the queue in front of it
 that keeps a stalled file from stopping training.
 
-:class:`RotatingFileWriter` is the file: every record goes to the kernel in a single ``os.write`` and
-nothing is buffered in Python, so a process killed right after ``write`` returns has lost nothing. Write
+:class:`RotatingFileWriter` is the file: every record goes to the kernel whole within a single
+``os.write`` (``write_many``: a run of records in one) and nothing is buffered in Python, so a process
+killed right after ``write`` returns has lost nothing. Write
 failures (full disk, I/O error, a descriptor closed underneath, a deleted directory) never reach the
 caller: they are counted, reported once per errno (``otel_train._report``), and the writer keeps trying
 on later records.
@@ -20,12 +21,13 @@ lowers each open writer's limit, so the next write takes the slow path, which ch
 answering"). A ``write(2)`` to a FUSE mount that stopped answering, or to an NFS server that is gone,
 blocks for as long as the storage does, in the kernel, where no signal but SIGKILL reaches it; so no
 training thread ever makes one. The hot path hands each complete line to one writer thread (a queue
-put), which makes the ``os.write`` calls above. A healthy writer keeps up within microseconds; at most
-``SYNC_BYTES`` are handed over between two *sync points* (the first record, once a second, before a
-rotation), where the caller waits for the writer to catch up and check the file, at most ``STALL_S``. A
-writer that has not caught up by then is declared stalled: nobody waits for it any more, lines are
-queued up to ``QUEUE_MAX_BYTES`` and dropped past it, counted; once it has caught up, one line on
-stderr and a notice record say how long it stalled and what was dropped.
+put), which makes the ``os.write`` calls above, one per batch. A healthy writer keeps up within
+milliseconds (the GIL's switch interval at worst); at most ``SYNC_BYTES`` are handed over between two
+*sync points* (the first record, once a second, before a rotation), where the caller waits for the
+writer to catch up and check the file, at most ``STALL_S``. A writer that has not caught up by then is
+stalled: nobody waits for it any more, lines are queued up to ``QUEUE_MAX_BYTES`` and dropped past it,
+counted. A stall that lasts ``STALL_REPORT_S`` or costs a record is reported on stderr, and once the
+writer has caught up one more line and a notice record say how long it stalled and what was dropped.
 """
 
 from __future__ import annotations
@@ -299,11 +301,11 @@ class RotatingFileWriter:
         return i
 
     def check_now(self) -> tuple[int, int] | None:
-        """Check now that the open file is still linked (shutdown calls it: the once-a-second check may
-        not have come since a deletion), making a new one if not (or if there is none, after a failure). Returns the (records, bytes) lost and
-        not yet announced once a new file is open to announce them in, and forgets them: the caller
-        announces them (while no file could be made, they stay for the next write that makes one, which
-        calls ``on_loss``). Never raises."""
+        """Check now that the open file is still linked (shutdown and a QueuedWriter's sync points call it:
+        the once-a-second check may not have come since a deletion), making a new one if not, or if there
+        is none after a failure. Returns the (records, bytes) lost and not yet announced once a new file
+        is open to announce them in, and forgets them: the caller announces them (while no file could be
+        made, they stay for the next write that makes one, which calls ``on_loss``). Never raises."""
         if not self._closed:
             try:
                 if self._fd >= 0:
