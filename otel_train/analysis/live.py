@@ -553,7 +553,7 @@ class LiveRun:
         heads = {pf: self._heads[pf.key] for pf in pfs}
         heads.update({pf: self._heads[key] for key, pf in self._pfs.items()})
         try:
-            chosen, note = choose_run(heads, self.tail.path, self._run)
+            chosen, note, members = choose_run(heads, self.tail.path, self._run)
         except TraceReadError:  # --run-id names a run that has not written here yet: wait for it
             self._other_runs.update(pf.key for pf in pfs)
             return []
@@ -561,7 +561,7 @@ class LiveRun:
         if note is not None and not self._said_runs:
             self._said_runs = True
             self.tail.bad.warn(note)
-        mine = [pf for pf in pfs if in_run(self._heads[pf.key], chosen, note)]
+        mine = [pf for pf in pfs if in_run(self._heads[pf.key], members, note)]
         self._other_runs.update(pf.key for pf in pfs if pf not in mine)
         return mine
 

@@ -32,6 +32,7 @@ import contextvars
 import gc
 import multiprocessing
 import os
+import re
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator
@@ -803,29 +804,53 @@ def run_started(heads: Iterable[Head | None]) -> float:
     return min((h.ts for h in heads if h is not None), default=0.0)
 
 
+GENERATED_RUN_ID = re.compile(r"\d{8}-\d{6}-[0-9a-f]{8}")
+"""The run id a process makes up when no launcher gave one (otel_train.resource: the UTC time and 8 hex
+digits): each rank of such a job has its own, so it tells runs apart only when its processes make a
+whole world (a single-process run, say)."""
+
+
+def run_keys(heads: dict[ProcessFiles, Head | None]) -> dict[str | None, str | None]:
+    """Each run id of the heads to the run it stands for: itself, or None ("no shared run id") for a
+    made-up id whose processes are fewer than their world size (the ranks of one job, each with its own)."""
+    ranks: dict[str | None, set[int]] = {}
+    world: dict[str | None, int] = {}
+    for pf, meta in heads.items():
+        if meta is not None:
+            ranks.setdefault(meta.run_id, set()).add(pf.rank)
+            world[meta.run_id] = max(world.get(meta.run_id, 1), meta.world_size or 1)
+    return {rid: rid if rid is None or not GENERATED_RUN_ID.fullmatch(rid) or len(ranks[rid]) >= world[rid]
+            else None for rid in ranks}
+
+
 def choose_run(heads: dict[ProcessFiles, Head | None], path: str | Path, wanted: str | None = None
-               ) -> tuple[str | None, str | None]:
-    """Which run of a directory to analyse (docs/analysis.md, "Several runs in one directory"), and the
-    line that says so when it holds several (else None): ``wanted`` (``--run-id``, default: the one set by
-    :func:`use_run`), or the run started last. Raises TraceReadError for a ``wanted`` id it does not hold."""
+               ) -> tuple[str | None, str | None, frozenset[str | None]]:
+    """Which run of a directory to analyse (docs/analysis.md, "Several runs in one directory"): its name,
+    the line that says so when the directory holds several (else None), and the run ids its processes
+    carry. ``wanted`` (``--run-id``, default: the one set by :func:`use_run`), or the run started last.
+    Raises TraceReadError for a ``wanted`` id it does not hold."""
     wanted = wanted if wanted is not None else _chosen_run.get()
+    keys = run_keys(heads)
     runs: dict[str | None, list[Head | None]] = {}
     for meta in heads.values():
         if meta is not None:  # a file without a whole record yet goes with the chosen run
-            runs.setdefault(meta.run_id, []).append(meta)
+            runs.setdefault(keys[meta.run_id], []).append(meta)
     names = sorted(runs, key=lambda r: (run_started(runs[r]), str(r)))
     if wanted is not None and wanted not in runs:
         held = ", ".join(str(r) for r in names) or "none"
         raise TraceReadError(f"{path}: no run with id {wanted!r} here (runs: {held}); pass one of them to --run-id")
     chosen = wanted if wanted is not None else (names[-1] if names else None)
+    members = frozenset(rid for rid, key in keys.items() if key == chosen)
     if len(runs) < 2:
-        return chosen, None
-    return chosen, f"run {chosen} ({len(runs)} runs in {path}; --run-id to pick another)"
+        return chosen, None, members
+    name = chosen if chosen is not None else "without a shared run id"
+    return chosen, f"run {name} ({len(runs)} runs in {path}; --run-id to pick another)", members
 
 
-def in_run(meta: Head | None, chosen: str | None, note: str | None) -> bool:
-    """Whether a process (its head) belongs to the chosen run; every one does when there is one run."""
-    return note is None or meta is None or meta.run_id == chosen
+def in_run(meta: Head | None, members: frozenset[str | None], note: str | None) -> bool:
+    """Whether a process (its head) belongs to the chosen run (``members``: its run ids); every one does
+    when there is one run."""
+    return note is None or meta is None or meta.run_id in members
 
 
 def process_order(path: str | Path, ranks: set[int] | None = None, warn: Warn = warn_to_stderr
@@ -837,10 +862,10 @@ def process_order(path: str | Path, ranks: set[int] | None = None, warn: Warn = 
     """
     found = find_process_files(path, warn)
     heads: dict[ProcessFiles, Head | None] = {pf: head(pf) for pf in found}
-    chosen, note = choose_run(heads, path)
+    _, note, members = choose_run(heads, path)
     if note is not None:
         warn(note)
-    pfs = [pf for pf in found if (ranks is None or pf.rank in ranks) and in_run(heads[pf], chosen, note)]
+    pfs = [pf for pf in found if (ranks is None or pf.rank in ranks) and in_run(heads[pf], members, note)]
     attempts = assign_attempts(pfs, heads)
     pfs.sort(key=lambda pf: (pf.rank, attempts[pf], pf.source))
     return [(pf, attempts[pf], heads[pf]) for pf in pfs]

@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
+from analysis_fixtures import Proc, write_run
 from faultlib import reported
 
 from otel_train.analysis.live import LiveRun
+from otel_train.analysis.spans import load_run
 
 CLI = Path(sys.executable).with_name("otel-train")
 STEPS = 12
@@ -109,3 +111,27 @@ def test_each_command_analyses_one_run_and_says_which(shared: Path) -> None:
         assert sorted(s.state.run_id for s in live.procs.values()) == ["job-b", "job-b"]
         assert not [f for f in live.raised if f["kind"] in ("restart", "straggler")], live.raised
         live.close()
+
+
+def _procs_with_ids(ids: list[str], world: int) -> list[Proc]:
+    procs = []
+    for rank, rid in enumerate(ids):
+        p = Proc(rank % world, world_size=world, t0=1.7e9 + 100 * (rank // world))
+        p.steps(range(3))
+        p.shutdown()
+        p.lines = [json.dumps({**json.loads(line), "run_id": rid}) for line in p.lines]
+        procs.append(p)
+    return procs
+
+
+def test_made_up_run_ids_part_runs_only_when_whole(tmp_path: Path) -> None:
+    holds = ("ranks of one job without a launcher id (each made up its own run id) are one run; single-process "
+             "runs with made-up ids are runs of their own")
+    with reported("run ids made up by each process (no launcher id)", holds, 2):
+        notes: list[str] = []
+        write_run(tmp_path / "job", _procs_with_ids(["20261202-010000-aaaaaaaa", "20261202-010000-bbbbbbbb"], 2))
+        assert [d.rank for d in load_run(tmp_path / "job", warn=notes.append).processes] == [0, 1] and not notes
+        write_run(tmp_path / "two", _procs_with_ids(["20261202-010000-aaaaaaaa", "20261202-010500-cccccccc"], 1))
+        run = load_run(tmp_path / "two", warn=notes.append)
+        assert [d.run_id for d in run.processes] == ["20261202-010500-cccccccc"]
+        assert notes == [f"run 20261202-010500-cccccccc (2 runs in {tmp_path / 'two'}; --run-id to pick another)"]
