@@ -12,7 +12,9 @@ Two parts (``--parts``, default both):
   sizes ``--factor`` apart: the target is <= 2 s whatever the file size.
 
 Every row is the median (and range) of ``--repeat`` rounds, interleaved, with the 1-minute load average
-before and after the row (other work on this shared VM moves the seconds).
+before and after the row (other work on this shared VM moves the seconds). A remembered result is
+kept for the code that made it: while the package's sources are being edited, time a frozen copy
+(``--cli``) or every second read is a first one.
 
     .venv/bin/python benchmarks/windows.py [--parts repeat,windows] [--repeat 3] [--kib 128] [--factor 8]
 """
@@ -27,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import analysis_throughput
 from analysis_throughput import CACHE_DIR, bench_env, cli, generate  # noqa: E402 - benchmarks/ on sys.path
 
 from otel_train import schema
@@ -133,7 +136,12 @@ def main() -> None:
     parser.add_argument("--factor", type=int, default=8)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "otel-train-bench")
     parser.add_argument("--scale-cache", type=Path, default=Path(tempfile.gettempdir()) / "otel-train-scale")
+    parser.add_argument("--cli", type=Path, default=None,
+                        help="the otel-train executable to time (default: the venv's); e.g. one that runs a frozen "
+                             "copy of the code, so that edits made meanwhile do not change the code a result is kept for")
     args = parser.parse_args()
+    if args.cli is not None:
+        analysis_throughput.CLI = args.cli
     parts = set(args.parts.split(","))
     out = args.cache / "out"
     out.mkdir(parents=True, exist_ok=True)

@@ -161,14 +161,23 @@ def note_malformed(count: int) -> None:
 
 def print_json(obj: Any) -> None:
     """Write ``obj`` as indented JSON on stdout (NaN and infinities become null)."""
+    print_text(json_text(obj))
+
+
+def json_text(obj: Any) -> str:
+    """What :func:`print_json` writes (a big result's text is what a remembered result keeps)."""
     import msgspec
 
     try:
         raw = msgspec.json.encode(obj)
     except UnicodeEncodeError:  # a lone surrogate from a trace file: written as its escape instead
         raw = msgspec.json.encode(clean(obj, limit=None))
-    sys.stdout.write(json_safe(msgspec.json.format(raw, indent=2).decode()))
-    sys.stdout.write("\n")
+    return json_safe(msgspec.json.format(raw, indent=2).decode()) + "\n"
+
+
+def print_text(text: str) -> None:
+    """Write ``text`` on stdout as it is."""
+    sys.stdout.write(text)
     sys.stdout.flush()
 
 

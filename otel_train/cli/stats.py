@@ -10,7 +10,8 @@ import typer
 
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import RUN_ID_HELP, cli_errors, fmt_ms, load, print_json, select_run, warn
+from otel_train.cli._common import (RUN_ID_HELP, cli_errors, fmt_ms, json_text, load, print_json, print_text, select_run,
+                                    warn)
 from otel_train.cli._remember import remembered
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
@@ -40,7 +41,12 @@ def stats(
 
             return compute_stats(load(path, steps=steps, cache=not no_cache))
 
-        result = remembered("stats", [path], {"steps": steps, "run_id": run_id}, compute, enabled=not no_cache)
+        key = {"steps": steps, "run_id": run_id}
+        if as_json and csv_file is None:  # its text kept: 64,000 rank-steps are 19 MB of JSON to encode again
+            print_text(remembered("stats", [path], {**key, "as": "json"}, lambda: json_text(compute()),
+                                  enabled=not no_cache))
+            return
+        result = remembered("stats", [path], key, compute, enabled=not no_cache)
         if csv_file is not None:
             write_steps_csv(result["steps"], csv_file)
             warn(f"wrote {len(result['steps'])} step rows to {csv_file}")
