@@ -4,11 +4,14 @@ The run is tests/pipeline_sim.py's (the simulator with ground truth): ``--dp`` x
 ranks (default 16 x 4 x 1 = 64), 1F1B over ``--microbatches`` (4), one slow worker, written as our
 trace files and cached under ``--cache`` (written once: a few minutes). Then, each ``--repeat`` times:
 
-* in process: ``load_run`` (no read cache), then ``whatif(run)`` (the ``typical`` method: every
-  scenario of the answer, the worker pass included), timed apart, with the phases of the analysis
-  (graph build, simulation) from the graph module;
 * the CLI as users run it, ``otel-train whatif RUN --json``, with a cold read cache (``--no-cache``)
-  and a warm one (the second run reads the cache the first wrote).
+  and a warm one (the second run reads the cache the first wrote);
+* in process: ``load_run`` (no read cache; then with the warm one), then ``whatif(run)`` (the
+  ``typical`` method: every scenario of the answer, the worker pass included), timed apart, with the
+  phases of the analysis (clock estimate, graph build, simulation) from the graph module.
+
+Every time is [wall, CPU] seconds (CPU: user + system of the process, or of the CLI child): on a
+machine other work keeps loaded, the wall is several times the CPU.
 
 Prints one JSON object: machine load, sizes, times, S against the simulator's truth.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -32,7 +36,7 @@ import numpy as np  # noqa: E402
 
 from otel_train.analysis import graph  # noqa: E402
 from otel_train.analysis.spans import load_run  # noqa: E402
-from otel_train.analysis.whatif import _scenarios, has_mesh, whatif  # noqa: E402
+from otel_train.analysis.whatif import _clock, _scenarios, has_mesh, whatif  # noqa: E402
 
 CLI = Path(sys.executable).with_name("otel-train")
 
@@ -57,36 +61,55 @@ def size_mb(run: Path) -> float:
     return sum(p.stat().st_size for p in (run / "structured_logs").rglob("*") if p.is_file()) / 1e6
 
 
+class Timer:
+    """Wall and CPU seconds of a block (CPU: this process's user + system time; on a loaded machine
+    the wall is several times the CPU, which is what a quiet machine would come near)."""
+
+    def __enter__(self) -> "Timer":
+        self.w, self.c = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.w, time.process_time() - self.c
+
+
 def in_process(run: Path) -> dict:
     """load_run, then whatif, timed apart; the graph's size and the simulation's share."""
-    t = time.perf_counter()
-    loaded = load_run(run, cache=False)
-    t_load = time.perf_counter() - t
-    t = time.perf_counter()
-    out = whatif(loaded)
-    t_whatif = time.perf_counter() - t
+    with Timer() as t_load:
+        loaded = load_run(run, cache=False)
+    with Timer() as t_warm:
+        load_run(run)  # the read cache (written by the CLI's first run)
+    with Timer() as t_whatif:
+        out = whatif(loaded)
     group = loaded.groups()[0]
-    t = time.perf_counter()
-    g = graph.build(group)
-    t_build = time.perf_counter() - t
+    with Timer() as t_clock:
+        clock = _clock(loaded)
+    with Timer() as t_build:
+        g = graph.build(group, clock)
     assert g is not None
     scen = _scenarios(g, not has_mesh(loaded))
     masks = np.ones((len({v.tobytes() for v in scen.values()}), g.fixed + 1), bool)
-    t = time.perf_counter()
-    graph.simulate(g, masks)
-    t_sim = time.perf_counter() - t
-    return {"load_s": t_load, "whatif_s": t_whatif, "graph_build_s": t_build, "simulate_s": t_sim,
-            "scenarios": int(masks.shape[0]), "nodes": int(g.nodes[-1]), "edges": int(g.edges[-1]),
-            "blocks": int(g.steps.size), "plans": len(g.plans), "slowdown": out["slowdown"],
-            "top_rank": out["by_rank"][0]["rank"], "workers": out.get("workers")}
+    with Timer() as t_sim:
+        graph.simulate(g, masks)
+    times = {k: (round(t.wall, 2), round(t.cpu, 2)) for k, t in
+             (("load", t_load), ("load_warm_cache", t_warm), ("whatif", t_whatif), ("clock", t_clock),
+              ("graph_build", t_build), ("simulate", t_sim))}
+    return {"wall_cpu_s": times, "scenarios": int(masks.shape[0]), "nodes": int(g.nodes[-1]),
+            "edges": int(g.edges[-1]), "blocks": int(g.steps.size), "plans": len(g.plans),
+            "levels": max(len(p.levels) for p in g.plans.values()), "slowdown": out["slowdown"],
+            "top_rank": out["by_rank"][0]["rank"], "workers": out.get("workers"), "shares": out["shares"]}
 
 
-def cli(run: Path, *extra: str) -> float:
+def cli(run: Path, *extra: str) -> tuple[float, float]:
+    """Wall and CPU seconds (the child's user + system) of one ``otel-train whatif --json``."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     done = subprocess.run([str(CLI), "whatif", str(run), "--json", *extra], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(done.stderr)
-    return time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return round(time.perf_counter() - t, 2), round(cpu, 2)
 
 
 def main() -> None:
@@ -103,10 +126,10 @@ def main() -> None:
     result = {"cpus": os.cpu_count(), "load_before": os.getloadavg()[0], "run_mb": round(size_mb(run), 1),
               "ranks": args.dp * args.pp * args.tp, "steps": args.steps, "truth": truth, "rounds": []}
     for _ in range(args.repeat):
-        row = in_process(run)
-        row["cli_cold_s"] = cli(run, "--no-cache")
+        row: dict = {"cli_cold_wall_cpu_s": cli(run, "--no-cache")}
         cli(run)  # fills the read cache
-        row["cli_warm_s"] = cli(run)
+        row["cli_warm_wall_cpu_s"] = cli(run)
+        row.update(in_process(run))
         row["load_after"] = os.getloadavg()[0]
         result["rounds"].append(row)
     print(json.dumps(result, indent=1))
