@@ -65,8 +65,10 @@ images: install chromium
 	OTEL_TRAIN_IMAGES=docs/images OTEL_TRAIN_DEMO_TRACE=$(DEMO)/straggler/analysis/steps-20-21.json \
 	  $(BIN)/python -m pytest -q tests/test_perfetto_ui.py -k pictures
 
+# Two workers (pytest-xdist), one test file each at a time: a third of the suite is real multi-rank
+# jobs that wait on one another, so two files overlap on the two cores (docs/benchmarks.md, "The suite").
 test: install chromium faketime phoenix
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 # The fault suite with more trials; rewrites docs/reliability.md's table (tests/faults/report.py).
 .PHONY: faults
