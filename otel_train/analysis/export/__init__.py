@@ -48,6 +48,9 @@ process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malfo
 
 Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None", "Clock | None",
              bool, "window.Plan | None"]
+ONE_PASS_MAX_BYTES = 256 << 20
+"""A window of at most this many bytes is read once, in this process: its exported states serve the comm
+plan and the rendering (a 10-step window of 1,024 ranks is about 200 MB; the states take ~100 MB)."""
 RAW_TS = "raw_ts"
 """The arg holding a record's own time (Unix s) where the export moved it onto the reference clock."""
 
@@ -132,11 +135,12 @@ def _rendered(path: str | Path, fmt: str, f: IO[bytes], origin: float, ranks: se
               reader: Reader, align: bool, steps: tuple[int, int] | None, workers: int | None, cache: bool
               ) -> tuple[Counts, CommPlan]:
     """A format of :data:`_RENDERERS` written to ``f``: the comm plan, then each process. A small window
-    is read once: its exported processes' states serve the plan and the rendering."""
+    (:data:`ONE_PASS_MAX_BYTES`) is read once: its exported processes' states serve the plan and the
+    rendering, here."""
     everyone = process_order(path, None, reader.bad.warn)
     order = [item for item in everyone if ranks is None or item[0].rank in ranks]
     plans = Plans(steps)
-    small = steps is not None and sum(plans.size(pf) for pf, _, _ in order) < PARALLEL_MIN_BYTES
+    small = steps is not None and sum(plans.size(pf) for pf, _, _ in order) < ONE_PASS_MAX_BYTES
     run = plan_states(everyone, plans, Cache(logs_dir(path), enabled=cache), reader if small else None,
                       {pf for pf, _, _ in order} if small else set())
     folder = Path(fr) if fr is not None else default_fr(path, run)
@@ -270,7 +274,7 @@ def _write_rendered(
     workers = min(workers or os.cpu_count() or 1, len(order))
     f.write(renderer.HEAD)
     totals = Counts(0, 0, 0, 0)
-    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES:
+    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES or plans.read:  # read already: rendered here
         for index, (pf, attempt, meta) in enumerate(order):
             lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt), plan.clock,
                           cache, plans.of(pf), plans.read.pop(pf, None))
