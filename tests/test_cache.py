@@ -64,6 +64,19 @@ def test_second_read_is_served_and_equal(tmp_path: Path, monkeypatch: pytest.Mon
     assert counts["hits"] == 2 and _view(second) == _view(first) == _view(load_run(tmp_path, cache=False))
 
 
+def test_a_state_pickled_by_other_code_is_never_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cached state is a pickled ProcessState: code that changed its fields (a new attribute) must
+    # not be handed an old layout (seen: AttributeError 'clock_anchor' after an upgrade).
+    _run(tmp_path)
+    counts = _counting(monkeypatch)
+    load_run(tmp_path)
+    assert counts["misses"] == 2
+    monkeypatch.setattr(C, "code_identity", lambda: "other code")
+    again = load_run(tmp_path)
+    assert counts["hits"] == 0 and counts["misses"] == 4
+    assert _view(again) == _view(load_run(tmp_path, cache=False))
+
+
 def test_an_appended_active_file_is_extended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     procs = _run(tmp_path)
     load_run(tmp_path)

@@ -178,7 +178,7 @@ class Cache:
         entry = self._entry(pf)
         if entry is None:
             return
-        data = pickle.dumps({"v": VERSION, "paths": [p.name for p in pf.paths],
+        data = pickle.dumps({"v": VERSION, "code": code_identity(), "paths": [p.name for p in pf.paths],
                              "idents": [b[0] for b in before], "payload": payload},  # type: ignore[index]
                             protocol=pickle.HIGHEST_PROTOCOL)
         _write(entry, data)
@@ -187,8 +187,9 @@ class Cache:
 
 def _match(pf: ProcessFiles, stored: dict) -> Hit | None:
     idents = stored.get("idents")
-    if stored.get("v") != VERSION or not isinstance(idents, list) or not idents or len(idents) > len(pf.paths):
-        return None
+    if stored.get("v") != VERSION or stored.get("code") != code_identity() \
+            or not isinstance(idents, list) or not idents or len(idents) > len(pf.paths):
+        return None  # another version of the code pickled another layout of the state: never served
     now = [identify(p) for p in pf.paths[:len(idents)]]
     if any(n is None for n in now):
         return None
