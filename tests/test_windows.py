@@ -152,6 +152,38 @@ def test_steps_that_repeat_per_epoch_are_read_whole(tmp_path: Path) -> None:
     assert _phases(win) == _phases(full)
 
 
+def _epoch_run(tmp_path: Path, *, restart: bool) -> Path:
+    """One process, 3 epochs of 50 steps, every record carrying its epoch: steps 0-49 again each
+    epoch (``restart``) or 0-149 (a global step, the README's loop)."""
+    p = Proc(rank=0, world_size=1)
+    marks = []
+    for epoch in range(3):
+        for s in range(50):
+            p.step(s if restart else 50 * epoch + s)
+        marks.append(len(p.lines))
+    p.shutdown()
+    epoch_of = lambda i: next((e for e, m in enumerate(marks) if i < m), 2)  # noqa: E731
+    lines = []
+    for i, line in enumerate(p.lines):
+        rec = json.loads(line)
+        if schema.EPOCH in rec:
+            rec[schema.EPOCH] = epoch_of(i)
+        lines.append(json.dumps(rec, separators=(",", ":")))
+    p.lines = lines
+    write_run(tmp_path, [p], lines_per_segment=200)
+    return tmp_path
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_several_epochs_are_windowed_unless_their_steps_restart(tmp_path: Path, restart: bool) -> None:
+    run = _epoch_run(tmp_path, restart=restart)
+    pf = find_process_files(run)[0]
+    assert (window.plan(pf, 60, 62) is None) == restart  # a global step across epochs is bisected
+    win = load_run(run, steps=(60, 62), cache=False)
+    full = _cut(load_run(run, cache=False), 60, 62)
+    assert _phases(win) == _phases(full) and _phases(full)
+
+
 def test_torn_lines_in_the_window_are_warned_and_counted(tmp_path: Path) -> None:
     procs = _procs(60, umbrella=False)
     write_run(tmp_path, procs, garbage={300: b'{"v":1,"ts":1700000000.1,"kind":"span_'})

@@ -213,22 +213,53 @@ def plan(pf: ProcessFiles, lo: int, hi: int) -> Plan | None:
 
 
 def _several_epochs(segs: list[_Segment]) -> bool:
-    """Whether the process's first and last records (within :data:`PROBE_BYTES` of each end) carry
-    different epochs: its steps may then repeat every epoch, which the span model numbers globally
-    from the first record on (docs/analysis.md, "The span model")."""
-    ends = []
-    for seg, at in ((segs[0], 0), (segs[-1], max(0, segs[-1].size - PROBE_BYTES))):
-        block = os.pread(seg.fd, PROBE_BYTES, at)
-        epochs = []
-        for line in block.split(b"\n")[1 if at else 0:]:
-            try:
-                epoch = _probe_decoder.decode(line).epoch
-            except DECODE_ERRORS:
-                continue
-            if epoch is not None:
-                epochs.append(epoch)
-        ends.append(epochs[-1 if at else 0] if epochs else None)
-    return None not in ends and ends[0] != ends[1]
+    """Whether the process's steps restart with a new epoch: its first and its last epoch boundary
+    (found by bisection: epochs never go back in a process's files) each see the step go back.
+    Such steps the span model numbers globally from the first record on (docs/analysis.md, "The span
+    model"), so only a whole read can number them; steps that keep growing across epochs are windowed."""
+    first, last = _epoch_of(segs[0], 0, first=True), _epoch_of(segs[-1], segs[-1].size, first=False)
+    if first is None or last is None or first == last:
+        return False
+    return _restarts_at(segs, first + 1) or _restarts_at(segs, last)
+
+
+def _epoch_of(seg: _Segment, at: int, *, first: bool) -> int | None:
+    """The epoch of the first record at or after ``at`` (``first``), or of the last record before it."""
+    block = os.pread(seg.fd, PROBE_BYTES, at if first else max(0, at - PROBE_BYTES))
+    lines = block.split(b"\n") if first else block.split(b"\n")[1 if at > PROBE_BYTES else 0:]
+    epochs = [e for e, _ in _epoch_steps(lines)]
+    return (epochs[0] if first else epochs[-1]) if epochs else None
+
+
+def _epoch_steps(lines: Iterable[bytes]) -> list[tuple[int, int]]:
+    out = []
+    for line in lines:
+        try:
+            rec = _probe_decoder.decode(line)
+        except DECODE_ERRORS:
+            continue
+        if rec.epoch is not None and rec.step is not None and not rec.name.startswith(schema.COMM_PREFIX):
+            out.append((rec.epoch, rec.step))
+    return out
+
+
+def _restarts_at(segs: list[_Segment], epoch: int) -> bool:
+    """Whether the first step of ``epoch`` is at or below the last step of the epoch before it."""
+    before: int | None = None
+    for seg in segs:
+        lo, hi = 0, seg.size
+        while hi - lo > PROBE_BYTES:  # bisection: records before ``lo`` are of earlier epochs
+            mid = seg.line_start((lo + hi) // 2)
+            got = _epoch_steps(os.pread(seg.fd, PROBE_BYTES, mid).split(b"\n")[:-1])
+            if not got or got[0][0] >= epoch:
+                hi = mid
+            else:
+                lo = mid
+        for e, step in _epoch_steps(os.pread(seg.fd, min(seg.size - lo, PROBE_LIMIT), lo).split(b"\n")):
+            if e >= epoch:
+                return before is not None and step <= before
+            before = step
+    return False
 
 
 def _plan(pf: ProcessFiles, segs: list[_Segment], lo: int, hi: int) -> Plan | None:
