@@ -41,6 +41,7 @@ class Op:
     seq: int = 0
     tail: float = 1.0
     latency: float = 0.5
+    rendezvous: bool = False  # a send that blocks until its recv is posted (gloo's, NCCL's)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Rank:
 def play(ranks: list[Rank]) -> None:
     """Run every rank's program to its end (see the module doc), writing its records."""
     sends: dict[tuple[str, int, int, int], float] = {}  # (group, src, dst, seq) -> the send's end
+    posted: dict[tuple[str, int, int, int], float] = {}  # ... -> when the recv was posted
     arrived: dict[tuple[str, int], dict[int, float]] = {}
     members: dict[str, int] = {}
     for r in ranks:
@@ -66,7 +68,7 @@ def play(ranks: list[Rank]) -> None:
     while any(r.pc < len(r.program) for r in ranks):
         moved = False
         for r in ranks:
-            while r.pc < len(r.program) and _advance(r, sends, arrived, members):
+            while r.pc < len(r.program) and _advance(r, sends, arrived, members, posted):
                 moved = True
         assert moved, "the programs deadlock"
     for r in ranks:
@@ -74,7 +76,7 @@ def play(ranks: list[Rank]) -> None:
         r.proc.shutdown()
 
 
-def _advance(r: Rank, sends: dict, arrived: dict, members: dict) -> bool:
+def _advance(r: Rank, sends: dict, arrived: dict, members: dict, posted: dict) -> bool:
     step, op = r.program[r.pc]
     p = r.proc
     if step != r.step:
@@ -86,9 +88,11 @@ def _advance(r: Rank, sends: dict, arrived: dict, members: dict) -> bool:
     me = p.rank
     if op.kind == "recv":
         key = (op.group, op.peer, me, op.seq)
+        if key not in posted:
+            posted[key] = p.now_ms
+            p.start(schema.comm_span_name("recv"), **comm_attrs(op.group, op.seq, peer=op.peer))
         if key not in sends:
             return False
-        p.start(schema.comm_span_name("recv"), **comm_attrs(op.group, op.seq, peer=op.peer))
         p.now_ms = max(p.now_ms, sends[key]) + op.latency  # the data moves once both are there
         p.end()
     elif op.kind == "coll":
@@ -101,7 +105,14 @@ def _advance(r: Rank, sends: dict, arrived: dict, members: dict) -> bool:
         p.now_ms = max(seen.values()) + op.tail
         p.end()
     elif op.kind == "send":
-        p.start(schema.comm_span_name("send"), **comm_attrs(op.group, op.seq, peer=op.peer))
+        key = (op.group, me, op.peer, op.seq)
+        if key not in r.sent:
+            r.sent[key] = p.now_ms
+            p.start(schema.comm_span_name("send"), **comm_attrs(op.group, op.seq, peer=op.peer))
+        if op.rendezvous:
+            if key not in posted:
+                return False
+            p.now_ms = max(p.now_ms, posted[key])
         p.advance(0.05)
         p.end()
         sends[(op.group, me, op.peer, op.seq)] = p.now_ms  # the data is there once the send is done
@@ -121,7 +132,8 @@ def base_dur(rank: int, stage: int, phase: str, step: int, mb: int) -> float:
 
 
 def pipeline(path: Path, dp: int, pp: int, steps: int, micro: int = 4, dur: Dur = base_dur,
-             latency: Callable[[int, int], float] = lambda src, dst: 0.5, mesh: bool = True) -> Path:
+             latency: Callable[[int, int], float] = lambda src, dst: 0.5, mesh: bool = True,
+             rendezvous: bool = False) -> Path:
     """A GPipe run, ``dp`` x ``pp`` ranks (rank = d * pp + stage): every stage receives each
     microbatch's activations, runs forward, sends them on; then backward in reverse with the
     gradients; then the gradient all-reduce among each stage's data-parallel ranks, and optimizer."""
@@ -145,13 +157,13 @@ def pipeline(path: Path, dp: int, pp: int, steps: int, micro: int = 4, dur: Dur 
                     prog.append((s, Op("recv", peer=r - 1, group=f"pp{d}", latency=latency(r - 1, r))))
                 prog.append((s, Op("compute", FORWARD, dur(r, k, FORWARD, s, m))))
                 if k < pp - 1:
-                    prog.append((s, Op("send", peer=r + 1, group=f"pp{d}")))
+                    prog.append((s, Op("send", peer=r + 1, group=f"pp{d}", rendezvous=rendezvous)))
             for m in reversed(range(micro)):
                 if k < pp - 1:
                     prog.append((s, Op("recv", peer=r + 1, group=f"pp{d}", latency=latency(r + 1, r))))
                 prog.append((s, Op("compute", BACKWARD, dur(r, k, BACKWARD, s, m))))
                 if k > 0:
-                    prog.append((s, Op("send", peer=r - 1, group=f"pp{d}")))
+                    prog.append((s, Op("send", peer=r - 1, group=f"pp{d}", rendezvous=rendezvous)))
             if dp > 1:
                 prog.append((s, Op("coll", "all_reduce", group=f"dp{k}", seq=s, tail=1.0)))
             prog.append((s, Op("compute", OPTIMIZER, dur(r, k, OPTIMIZER, s, 0))))
@@ -195,6 +207,29 @@ def test_a_slow_last_stage_is_the_last_stages_share(tmp_path: Path) -> None:
     assert pp[1] > 1.1 and pp[0] < 1.0  # stage 0 alone as measured: faster than the mean of both
     dp = {r["index"]: r["slowdown"] for r in out["by_dim"]["dp"]}
     assert dp[0] == pytest.approx(dp[1], rel=1e-6)  # both data-parallel replicas are alike
+
+
+def test_a_slow_stage_behind_rendezvous_sends_is_the_slow_stage(tmp_path: Path) -> None:
+    """gloo's and NCCL's sends block until their recv is posted: a slow stage 1 shows up as stage 0's
+    long sends. A send that waited for its recv ends its own transfer after the later of the two
+    arrivals, so that waiting is charged to the stage that posted the recv late, not to the sender."""
+    def dur(rank: int, stage: int, phase: str, step: int, mb: int) -> float:
+        t = base_dur(rank, stage, phase, step, mb)
+        return t * 1.6 if stage == 1 and phase in (FORWARD, BACKWARD) else t
+
+    path = pipeline(tmp_path / "run", dp=2, pp=2, steps=12, dur=dur, rendezvous=True)
+    records = [json.loads(line) for f in path.rglob("*.jsonl") for line in f.read_text().splitlines()]
+    waited = [r["dur_ms"] for r in records if r.get("kind") == "span_end" and r.get("name") == "comm.send"
+              and r.get("rank") in (0, 1)]
+    assert max(waited) > 5.0  # stage 0's sends did wait for stage 1's recvs
+    run = load_run(path)
+    g = graph.build(run.groups()[0])
+    masks = np.ones((1, g.fixed + 1), bool)
+    np.testing.assert_allclose(graph.step_times(graph.simulate(g, masks))[0], np.diff(g.measured), atol=1e-6)
+    out = whatif(run)
+    pp = by(out["by_dim"]["pp"], "index")
+    assert pp[1] > 1.1 and pp[0] < 1.0, out["by_dim"]
+    assert out["shares"]["last_stage"] >= 0.9 and by(out["by_phase"], "phase")["comm.send"] < 1.01
 
 
 def test_the_ideal_of_a_balanced_pipeline_is_its_step(tmp_path: Path) -> None:

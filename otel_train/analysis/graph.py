@@ -15,11 +15,14 @@ every member ends no earlier than the last member's arrival plus its own *transf
 its end minus the last arrival, on the aligned clock), nor before its own arrival. A send/recv pair
 (matched by group, sender, receiver and ``comm.seq``) is a join of two whose recv alone waits: it ends
 no earlier than the later of its own arrival and the send's *end*, plus its own transfer (measured:
-its end minus that time, so one value whether it waited for the data or found it there); the send
-ends ``dur`` (as measured,
+its end minus that time, so one value whether it waited for the data or found it there; a detached
+send's *arrival*: its end is when its rank waited for it). An eager send ends ``dur`` (as measured,
 or typical) after its own arrival, never waiting for the recv (so two ranks that each send, then
-receive, never wait for each other). An op whose other side is missing, or whose members sit in
-different steps, ends ``dur`` after its arrival.
+receive, never wait for each other); a send that *waited* for its recv (gloo's and NCCL's block
+until the receiver is there: it ended after the recv's arrival, and waited longer before it than it
+took after) ends no earlier than the later of both arrivals plus its own transfer (its end minus
+that time). An op whose other side is missing, or whose members sit in different steps, ends
+``dur`` after its arrival.
 
 **Blocks.** A step is a block: the ops tagged with it (its leaves' and comm ops' ``step``; a rank's
 items never move back to an earlier step). Block ``b``'s time ``T[b]`` is the latest end of a rank's
@@ -470,20 +473,26 @@ def host_shift(flat: Flat, hosts: list[str | None]) -> np.ndarray:
 
 @dataclass(slots=True)
 class Joins:
-    """Per op: its join (-1: none), whether it waits for the join, its transfer time (ms); per join
-    its block."""
+    """Per op: its join (-1: none), whether it waits for the join, its transfer time (ms), whether it
+    is a send that waited for its recv (``rendezvous``) and that wait's transfer (its end minus the
+    later of the two arrivals); per join its block, and per p2p join its rendezvous node's index
+    (-1: a collective)."""
 
     of: np.ndarray
     waits: np.ndarray
     transfer: np.ndarray
     block: np.ndarray
+    rendezvous: np.ndarray = field(default_factory=lambda: np.empty(0, bool))
+    rv_transfer: np.ndarray = field(default_factory=lambda: np.empty(0))
+    rv_of: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
 
 def joins(flat: Flat) -> Joins:
     """Match ops by key: a join needs two members or more, all in one block."""
     n = flat.o_key.size
     if n == 0:
-        return Joins(np.empty(0, np.int64), np.empty(0, bool), np.empty(0), np.empty(0, np.int64))
+        e = np.empty(0, np.int64)
+        return Joins(e, np.empty(0, bool), np.empty(0), e, np.empty(0, bool), np.empty(0), e)
     _, inv = np.unique(flat.o_key, return_inverse=True)
     m = int(inv.max()) + 1
     block = flat.i_block[flat.o_item]
@@ -491,17 +500,39 @@ def joins(flat: Flat) -> Joins:
     np.minimum.at(lo, inv, block)
     np.maximum.at(hi, inv, block)
     # A collective's members are ready at their arrivals; a p2p pair at the recv's arrival and the
-    # send's end (the data is there when the send is done: the recv's own transfer is what follows).
+    # send's end (the data is there when the send is done: the recv's own transfer is what follows),
+    # a detached send's arrival (its end is when its rank waited for it, not when the data left).
     last = np.full(m, -np.inf)
-    np.maximum.at(last, inv, np.where(flat.o_send, flat.o_end, flat.o_start))
+    np.maximum.at(last, inv, np.where(flat.o_send & ~flat.o_detached.astype(bool), flat.o_end, flat.o_start))
     valid = (np.bincount(inv, minlength=m) >= 2) & (lo == hi)
     ids = np.cumsum(valid) - 1
     of = np.where(valid[inv], ids[inv], -1)
     transfer = flat.o_end - last[inv]
-    # A send never waits for its recv (its own duration, measured, holds whatever waiting it did):
-    # only the recv ends no earlier than the later of its arrival and its send's end, plus its transfer.
+    # The recv ends no earlier than the later of its arrival and its send's end, plus its transfer.
     waits = (of >= 0) & ~flat.o_send
-    return Joins(of, waits, transfer, lo[valid])
+    rendezvous, rv_transfer, rv_of = _rendezvous(flat, inv, m, valid, of)
+    return Joins(of, waits, transfer, lo[valid], rendezvous, rv_transfer, rv_of)
+
+
+def _rendezvous(flat: Flat, inv: np.ndarray, m: int, valid: np.ndarray, of: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per op: whether it is a send that waited for its recv (it ended more than the records'
+    resolution after the recv's arrival: gloo's and NCCL's sends block until the receiver is there),
+    and its transfer then (its end minus the later of the two arrivals); per valid join, the index of
+    its rendezvous node (the later arrival of its members; only pairs whose send waited have one:
+    an eager send's pair keeps no edge back from the recv's arrival, so two ranks that each send,
+    then receive, make no cycle), -1 for the others. A send that ended before its recv was posted
+    (eager) ends its own duration after its arrival."""
+    recv_at = np.full(m, -np.inf)
+    np.maximum.at(recv_at, inv, np.where(flat.o_send, -np.inf, flat.o_start))
+    both = np.maximum(recv_at[inv], flat.o_start)
+    waited, after = recv_at[inv] - flat.o_start, flat.o_end - recv_at[inv]
+    rendezvous = (of >= 0) & flat.o_send & (after > RESOLUTION_MS) & (waited > after)
+    has_rv = np.zeros(m, bool)
+    has_rv[inv[rendezvous]] = True
+    p2p = has_rv[valid]
+    rv_of = np.where(p2p, np.cumsum(p2p) - 1, -1)
+    return rendezvous, np.where(rendezvous, flat.o_end - both, 0.0), rv_of
 
 
 def _edges(flat: Flat, jn: Joins, P: int, fixed: int
@@ -513,6 +544,7 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     arrival, each op's end (a one-op cluster's item node), each join. An op alone in its cluster has
     no arrival node: its edges leave the item before it, carrying the lead (its offset is 0)."""
     ni, no, nj = flat.i_start.size, flat.o_start.size, jn.block.size
+    nr = int((jn.rv_of >= 0).sum())
     arrive, end = ni + np.arange(no), ni + no + np.arange(no)
     item = np.arange(ni)
     o_item = flat.o_item
@@ -526,12 +558,13 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     same = (prev >= 0) & (flat.i_block[np.maximum(prev, 0)] == flat.i_block)
     from_ = np.where(same, node_of[np.maximum(prev, 0)], -1 - rank)  # the previous item, or the boundary
     lead = np.where(prev >= 0, flat.i_start - flat.i_end[np.maximum(prev, 0)], 0.0)
-    cols = _columns(flat, jn, P, fixed, Nodes(arrive, end, ni + 2 * no + np.arange(nj), from_, node_of, alone),
-                    lead, rank)
+    cols = _columns(flat, jn, P, fixed, Nodes(arrive, end, ni + 2 * no + np.arange(nj), from_, node_of, alone,
+                                              ni + 2 * no + nj + np.arange(nr)), lead, rank)
     edges = [np.concatenate([c[k] for c in cols]) for k in range(8)]
     kinds = np.concatenate([np.where(flat.i_piece >= 0, PIECE, EXIT), np.full(no, ARRIVE), np.full(no, END),
-                            np.full(nj, JOIN)])
-    blocks = np.concatenate([flat.i_block, flat.i_block[o_item], flat.i_block[o_item], jn.block])
+                            np.full(nj + nr, JOIN)])
+    blocks = np.concatenate([flat.i_block, flat.i_block[o_item], flat.i_block[o_item], jn.block,
+                             jn.block[jn.rv_of >= 0]])
     alive = np.ones(kinds.size, bool)
     alive[item[single]] = False  # a one-op cluster's node is its op's end
     alive[arrive[alone]] = False  # ... and its op's edges leave the item before it
@@ -552,6 +585,7 @@ class Nodes:
     from_: np.ndarray
     node_of: np.ndarray
     alone: np.ndarray
+    rv: np.ndarray  # per rendezvous node (Joins.rv_of) its node
 
 
 def _columns(flat: Flat, jn: Joins, P: int, fixed: int, nd: Nodes, lead: np.ndarray, rank: np.ndarray
@@ -566,16 +600,17 @@ def _columns(flat: Flat, jn: Joins, P: int, fixed: int, nd: Nodes, lead: np.ndar
     dur_i[piece] = group_mean(ikey[piece], dur[piece])
     det = flat.o_detached.astype(bool)
     o_dur, tr_i, du_i = _op_typicals(flat, jn, det)
-    w, member = jn.waits, jn.of >= 0
+    w, member, rv = jn.waits, jn.of >= 0, jn.rendezvous
     o_own = flat.o_rank.astype(np.int64) * P + flat.o_name
-    d_m, d_i = np.where(w, 0.0, o_dur), np.where(w, 0.0, du_i)
+    d_m, d_i = np.where(w | rv, 0.0, o_dur), np.where(w | rv, 0.0, du_i)
     # a waiting op alone in its cluster: its end after its join never comes before its arrival
     # (the join is at least its arrival) unless a transfer is negative; only then the edge is kept
     direct = al & (~w | (jn.transfer < 0) | (tr_i < 0))
     off = flat.o_start - flat.i_start[o_item]
     untr, fi = rank * P, lambda n: np.full(n, fixed)
     lo, li, fr, un = lead[o_item], lead_i[o_item], nd.from_[o_item], untr[o_item]
-    via = member & (flat.o_send | na)  # join inputs from a node of the op: a send's end, else its arrival
+    sent = flat.o_send & ~det
+    via = member & (sent | na)  # join inputs from a node of the op: a send's end, else its arrival
     return [
         # pieces: lead (untraced) + dur (the piece's phase); clusters' exits get their ops' ends below
         (nd.from_[piece], np.flatnonzero(piece), untr[piece], lead[piece], lead_i[piece],
@@ -589,22 +624,43 @@ def _columns(flat: Flat, jn: Joins, P: int, fixed: int, nd: Nodes, lead: np.ndar
         # ... and, waiting, than its join (the last arrival) + its transfer
         (nd.join[jn.of[w]], nd.end[w], o_own[w], jn.transfer[w], tr_i[w]) + _fixed_zero(int(w.sum()), fixed)[:3],
         # a join waits for every member's arrival (a send's: its end; an op alone: lead after the item before)
-        (np.where(flat.o_send, nd.end, nd.arrive)[via], nd.join[jn.of[via]]) + _fixed_zero(int(via.sum()), fixed),
+        (np.where(sent, nd.end, nd.arrive)[via], nd.join[jn.of[via]]) + _fixed_zero(int(via.sum()), fixed),
         (fr[member & ~via], nd.join[jn.of[member & ~via]], un[member & ~via], lo[member & ~via], li[member & ~via])
         + _fixed_zero(int((member & ~via).sum()), fixed)[:3],
         # a cluster of several ops ends when its last op ends (a detached op: when it began)
         (np.where(det, nd.arrive, nd.end)[na], o_item[na]) + _fixed_zero(int(na.sum()), fixed),
         # the first piece that began after a detached op ended waits for it
         _waits(flat, nd.end, nd.node_of, dur, dur_i, P, fixed),
+        *_rendezvous_columns(flat, jn, nd, (lo, li, fr, un), o_own, tr_i, fixed),
+    ]
+
+
+def _rendezvous_columns(flat: Flat, jn: Joins, nd: Nodes, prev: tuple[np.ndarray, ...], o_own: np.ndarray,
+                        tr_i: np.ndarray, fixed: int) -> list[tuple[np.ndarray, ...]]:
+    """A pair whose send waited for its recv: its rendezvous node waits for both arrivals (an op
+    alone in its cluster: lead after the item before), and the send ends its own transfer after it."""
+    lo, li, fr, un = prev
+    rv_node = np.full(max(jn.rv_of.size, 1), -1, np.int64)
+    rv_node[jn.rv_of >= 0] = nd.rv
+    to = np.where(jn.of >= 0, rv_node[np.maximum(jn.of, 0)], -1)
+    na, al = (to >= 0) & ~nd.alone, (to >= 0) & nd.alone
+    rv = jn.rendezvous
+    return [
+        (nd.arrive[na], to[na]) + _fixed_zero(int(na.sum()), fixed),
+        (fr[al], to[al], un[al], lo[al], li[al]) + _fixed_zero(int(al.sum()), fixed)[:3],
+        (to[rv], nd.end[rv], o_own[rv], jn.rv_transfer[rv], tr_i[rv]) + _fixed_zero(int(rv.sum()), fixed)[:3],
     ]
 
 
 def _op_typicals(flat: Flat, jn: Joins, det: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per op: its duration, its typical transfer (waiting ops) and its typical duration (the others)."""
+    """Per op: its duration, its typical transfer (waiting ops, sends that waited for their recv: the
+    median over those of its key) and its typical duration (the others)."""
     o_dur = flat.o_end - flat.o_start
-    w, nw = jn.waits, ~jn.waits
+    w, rv = jn.waits, jn.rendezvous
+    nw = ~w & ~rv
     tr_i, du_i = np.zeros(o_dur.size), np.zeros(o_dur.size)
     tr_i[w] = _typical_of(flat.o_tkey[w], jn.transfer[w], ~det[w])
+    tr_i[rv] = _typical_of(flat.o_tkey[rv], jn.rv_transfer[rv], ~det[rv])
     du_i[nw] = _typical_of(flat.o_tkey[nw], o_dur[nw], ~det[nw])
     return o_dur, tr_i, du_i
 
@@ -623,12 +679,14 @@ def _typical_of(keys: np.ndarray, values: np.ndarray, use: np.ndarray) -> np.nda
 def _waits(flat: Flat, end: np.ndarray, node_of: np.ndarray, dur: np.ndarray, dur_i: np.ndarray, P: int,
            fixed: int) -> tuple[np.ndarray, ...]:
     """Edges from each detached op's end to the first piece of its step that began after it ended
-    (the gap between them as measured, then the piece's duration)."""
+    (no earlier than that end, then the piece's duration: the measured gap between them is time the
+    rank spent elsewhere, e.g. waiting in a recv, which its own edges carry; held fixed here it kept
+    that waiting in every scenario)."""
     w = flat.o_waiter.astype(np.int64)
     ok = flat.o_detached.astype(bool) & (w >= 0)
     ok[ok] = flat.i_block[w[ok]] == flat.i_block[flat.o_item[ok]]
     k, w = np.flatnonzero(ok), w[ok]
-    gap = flat.i_start[w] - flat.o_end[k]
+    gap = np.zeros(k.size)
     return (end[k], node_of[w], np.full(k.size, fixed), gap, gap,
             flat.i_rank[w].astype(np.int64) * P + flat.i_name[w], dur[w], dur_i[w])
 
