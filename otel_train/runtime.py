@@ -217,6 +217,7 @@ def _make_comm(rt: _Runtime) -> None:
         world_size=rt.ctx.world_size, tracer=tracing.tracer,
         instant=jsonl.instant_for if jsonl is not None else _no_instant,
         open_entries=jsonl.open_entries if jsonl is not None else None,
+        closed_feed=(lambda feed: setattr(jsonl, "closed_entries", feed)) if jsonl is not None else None,
     )
 
 

@@ -506,3 +506,30 @@ def test_a_call_missing_its_tensor_raises_as_without_us_and_reports_nothing(tmp_
     raised = [line for line in done.stdout.splitlines() if line.startswith("RAISED")]
     assert len(raised) == 2 and raised[0] == raised[1]
     assert "otel-train" not in done.stderr  # a user's mistake is no fault of the recorder
+
+
+def test_a_buffer_op_is_a_child_of_the_span_open_when_it_was_issued_even_one_closed_before_the_look(
+        tmp_path: Path) -> None:
+    # DDP's bucket rebuild broadcasts from C++ inside a short `forward`; the recorder's look comes later,
+    # in the same step: the op belongs to `forward` (which had closed), not to `step` (open at the look).
+    run_scenario(tmp_path, """
+    import torch.distributed._functional_collectives as fc
+    ot.init(save_path=save, enabled=True)
+    group()
+    t = torch.ones(8)
+    fc.wait_tensor(fc.all_reduce(t, "sum", dist.group.WORLD))  # the first call is slow: not inside `forward`
+    time.sleep(1.0)
+    with ot.training_step(1):
+        with ot.log_trace_span("forward"):
+            fc.wait_tensor(fc.all_reduce(t, "sum", dist.group.WORLD))
+        time.sleep(1.0)  # several looks, each seeing only `step` open
+    with ot.training_step(2):
+        time.sleep(1.0)
+    ot.shutdown()
+    """)
+    recs = records(tmp_path)
+    names = {r["span_id"]: r["name"] for r in recs if r["kind"] == S.SPAN_START}
+    (warm, _), (start, _) = sorted(comm_spans(recs), key=lambda span: span[0]["attrs"][S.ATTR_COMM_SEQ])
+    assert warm["attrs"].get("comm.source") == start["attrs"].get("comm.source") == "flight_recorder"
+    assert "parent_span_id" not in warm or warm["parent_span_id"] not in names
+    assert names[start["parent_span_id"]] == "forward" and start["step"] == 1

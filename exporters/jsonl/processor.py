@@ -76,6 +76,10 @@ class JsonlSpanProcessor(SpanProcessor):
         # Set by the watchdog (otel_train.watchdog): each span that ends is appended here, one C call on
         # the hot path; the watchdog's thread drains it into its per-name duration sketch.
         self.ended: deque[Any] | None = None
+        # Set by the comm recorder (otel_train.comm.recorder): each span's open entry is appended here just
+        # before it leaves the open table (so every span is in one of the two), to parent ops seen only
+        # in Flight Recorder's buffer by the span open when they were issued (docs/comm.md).
+        self.closed_entries: deque[Any] | None = None
         self._sealed = False  # shutdown has ended the open spans: no new span is written
         self._closed = False  # the last record is written: nothing more is
         self.unencodable = 0  # records that could not be made at all (they have no seq)
@@ -123,6 +127,9 @@ class JsonlSpanProcessor(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         try:
             with self._lock:
+                closed = self.closed_entries
+                if closed is not None and span._context.span_id in self._open:
+                    closed.append(self._open[span._context.span_id])
                 entry = self._open.pop(span._context.span_id, None)
                 if entry is None:
                     self._end_record(span, None, incomplete=False)

@@ -43,7 +43,11 @@ from otel_train.exporters.jsonl.processor import on_behalf
 POLL_S = 0.2
 """How often the thread looks: a rank waiting in an op shows as an open span within about this long."""
 MAX_GAPS = 4096
-SNAPSHOTS = 32
+HISTORY_NS = 10_000_000_000
+"""Spans that ended this long ago are forgotten even while an op of the buffer is unread (reads come at
+most :data:`flight_recorder.MAX_READ_INTERVAL_S` apart)."""
+MARGIN_NS = 100_000_000
+"""Spans that ended this long before the last look that left no op unread are kept anyway (clock slack)."""
 STEP_HISTORY = 1024
 SOURCE_FR = "flight_recorder"
 ATTR_SOURCE = "comm.source"
@@ -66,7 +70,8 @@ class Recorder:
 
     def __init__(self, tracer: trace.Tracer, queue: NoteQueue, groups: GroupTable, *,
                  instant: Callable[[str, dict[str, Any]], None], open_entries: Callable[[], list[Any]] | None = None,
-                 buffer: fr.BufferReader | None = None, poll_s: float = POLL_S) -> None:
+                 buffer: fr.BufferReader | None = None, poll_s: float = POLL_S,
+                 closed: deque[Any] | None = None) -> None:
         self._tracer = tracer
         self._queue = queue
         self._groups = groups
@@ -76,9 +81,12 @@ class Recorder:
         self.poll_s = poll_s
         self._running: list[tuple[Note, Any]] = []  # (note, span) of ops still in progress
         self._fr_open: dict[tuple[str, int], Any] = {}  # Flight Recorder ops still running: their spans
-        # The open spans at each of the last polls: a Flight Recorder op's parent is the innermost span
-        # open on its thread at the first look after the op was issued that had started before it.
-        self._snapshots: deque[tuple[int, list[Any]]] = deque(maxlen=SNAPSHOTS)
+        # A Flight Recorder op's parent is the innermost span open on its thread when it was issued: every
+        # span seen open at a look, or handed over by ``closed`` (the processor appends each span's entry
+        # as it ends), span id -> entry, kept until it ended before any op still unread was issued.
+        self._closed = closed
+        self._spans: dict[int, Any] = {}
+        self._horizon_ns = 0
         # (time, step context) at each step change: the step of a Flight Recorder op without a parent.
         self._step_times: list[int] = []
         self._step_states: list[Any] = []
@@ -139,6 +147,7 @@ class Recorder:
         if not self._lock.acquire(timeout=wait_s):
             return
         try:
+            look_ns = now_ns()
             counters = self._counters() if self._buffer is not None and self._buffer.enabled else None
             self._announce_groups()
             for note in self._queue.take():
@@ -148,12 +157,12 @@ class Recorder:
                     _report.report_exception("writing a comm span", exc)
             self._end_finished()
             if counters is not None:
-                if self._open_entries is not None:
-                    self._snapshots.append((now_ns(), self._open_entries()))
+                self._see_spans()
                 self._note_gaps(counters)
                 now = time.monotonic()
                 if (final or self._buffer.due(now)) and (self._fr_open or self._has_gaps()):
                     self._read_buffer(now)
+                self._forget_spans(look_ns)
         finally:
             self._lock.release()
 
@@ -305,8 +314,7 @@ class Recorder:
         if self._fr_open:
             self._end_fr_open(entries, by_name)
         threads = {t.ident: t.native_id for t in threading.enumerate()}
-        if self._open_entries is not None:
-            self._snapshots.append((now_ns(), self._open_entries()))
+        self._see_spans()
         for entry in fresh:
             group = entry.get("process_group") or ("",)
             state = by_name.get(str(group[0]))
@@ -318,16 +326,34 @@ class Recorder:
                 self._fr_span(entry, state, op, key, threads)
         self._count_lost(entries, by_name)
 
-    def _open_at(self, ns: int) -> list[Any]:
-        for taken, entries in self._snapshots:
-            if taken >= ns:
-                return entries
-        return self._snapshots[-1][1] if self._snapshots else []
+    def _see_spans(self) -> None:
+        """Take the spans open now, then those that ended since the last look (in this order: a span the
+        first misses had ended, so the second has it)."""
+        spans = self._spans
+        if self._open_entries is not None:
+            for entry in self._open_entries():
+                spans.setdefault(entry[0]._context.span_id, entry)
+        closed = self._closed
+        if closed is not None:
+            pop = closed.popleft
+            for _ in range(len(closed)):
+                entry = pop()
+                spans[entry[0]._context.span_id] = entry
+
+    def _forget_spans(self, look_ns: int) -> None:
+        """Forget spans that ended before any op the buffer may still hand over was issued: with no op
+        unread, every op to come was issued after this look began."""
+        if not self._has_gaps():
+            self._horizon_ns = look_ns - MARGIN_NS
+        horizon = max(self._horizon_ns, now_ns() - HISTORY_NS)
+        spans = self._spans
+        for span_id in [k for k, e in spans.items() if (e[0]._end_time or horizon) < horizon]:
+            del spans[span_id]
 
     def _fr_span(self, entry: dict[str, Any], state: GroupState, op: str, key: int, threads: dict[Any, Any]) -> None:
         start = from_foreign(int(entry.get("time_created_ns") or 0)) if entry.get("time_created_ns") else now_ns()
         tid = _native_tid(entry, threads)
-        parent = _parent_of(self._open_at(start), tid, start)
+        parent = _parent_of(list(self._spans.values()), tid, start)
         ctx = _context_for(parent, self._step_at(start))
         if not state.announced:
             state.announced = True
@@ -390,12 +416,16 @@ def _native_tid(entry: dict[str, Any], threads: dict[Any, Any]) -> int | None:
         return None
 
 
-def _parent_of(open_entries: list[Any], tid: int | None, start_ns: int) -> Any:
-    """The innermost span open on thread ``tid`` that started before ``start_ns``, other than an op (an
-    op never holds another; a buffer op still running is open on that thread too): (span, state) or None."""
+def _parent_of(entries: list[Any], tid: int | None, start_ns: int) -> Any:
+    """The innermost span open on thread ``tid`` at ``start_ns`` (started before it, not ended before it),
+    other than an op (an op never holds another; a buffer op still running is open on that thread too):
+    (span, state) or None."""
     best = None
-    for span, _, state, span_tid in open_entries:
+    for span, _, state, span_tid in entries:
         if span_tid != tid or span._start_time > start_ns or span._name.startswith(S.COMM_PREFIX):
+            continue
+        end = span._end_time
+        if end is not None and end < start_ns:
             continue
         if best is None or span._start_time >= best[0]._start_time:
             best = (span, state)

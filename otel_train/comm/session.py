@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections import deque
 from typing import Any, Callable
 
 from otel_train import _report
@@ -12,6 +13,8 @@ from otel_train.comm.groups import GroupTable
 from otel_train.comm.notes import NoteQueue
 
 C10D = "torch.distributed.distributed_c10d"
+CLOSED_FEED_MAX = 1 << 16
+"""Ended spans the recorder has not taken yet (it takes them every look); beyond, the oldest go."""
 
 
 class CommSession:
@@ -19,12 +22,14 @@ class CommSession:
 
     def __init__(self, *, mode: str, fr_dir: str, rank: int, attempt: int, world_size: int,
                  tracer: Any, instant: Callable[[str, dict[str, Any]], None],
-                 open_entries: Callable[[], list[Any]] | None) -> None:
+                 open_entries: Callable[[], list[Any]] | None,
+                 closed_feed: Callable[[Any], None] | None = None) -> None:
         self.mode = mode
         self.recording = mode != "off"
         self.status = fr.configure(fr_dir, rank, attempt, self.recording)
         self.stall_dumps = fr.StallDumps(fr_dir, rank, attempt, world_size)
         self._tracer, self._instant, self._open_entries = tracer, instant, open_entries
+        self._closed_feed = closed_feed  # installs (or, given None, removes) the deque of spans that ended
         self.queue = NoteQueue()
         self.groups = GroupTable()
         self.recorder: Any = None
@@ -49,8 +54,12 @@ class CommSession:
         from otel_train.comm.recorder import Recorder
 
         buffer = fr.BufferReader()
+        closed = None
+        if self._closed_feed is not None and self._open_entries is not None and buffer.enabled:
+            closed = deque(maxlen=CLOSED_FEED_MAX)
+            self._closed_feed(closed)
         self.recorder = Recorder(self._tracer, self.queue, self.groups, instant=self._instant,
-                                 open_entries=self._open_entries, buffer=buffer)
+                                 open_entries=self._open_entries, buffer=buffer, closed=closed)
         self.recorder.baseline()
         self.patches = Patches(NoteMaker(self.queue, self.groups), before_destroy=self.recorder.flush)
         self.status["patched"] = self.patches.install()
@@ -65,6 +74,8 @@ class CommSession:
             _quietly(self._mesh_undo)
         if self.patches is not None:
             _quietly(self.patches.remove)
+        if self._closed_feed is not None:
+            _quietly(lambda: self._closed_feed(None))  # type: ignore[misc]
         if self.recorder is not None:
             if self.recorder.on_step in step_context.step_listeners:
                 step_context.step_listeners.remove(self.recorder.on_step)
