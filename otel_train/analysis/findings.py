@@ -788,8 +788,12 @@ def desync_findings(group: list[ProcessState], graph: CommGraph) -> list[dict[st
 
 def _waits(group: Sequence[ProcessState], graph: CommGraph) -> dict[int, np.ndarray]:
     """Rank -> rows (start, end, waited s) of its comm ops that waited for a later member: an op's
-    duration minus the shortest duration among its members (the transfer itself; own clocks only)."""
+    duration minus the shortest duration among its members (the transfer itself; own clocks only),
+    or, where that is more, the time until the latest other member on its host arrived (capped by
+    its duration): a recv whose send also lasted long (gloo's send blocks until its recv is posted,
+    and a send batched with a recv ends with the batch) still waited until its send began."""
     out: dict[int, list[tuple[float, float, float]]] = {}
+    host = {d.rank: d.host for d in group}
     matched = [list(ops.values()) for ops in graph.collectives.values()]
     matched += [[op for op in pair if op is not None] for pair in graph.p2p.values()]
     for ops in matched:
@@ -798,7 +802,10 @@ def _waits(group: Sequence[ProcessState], graph: CommGraph) -> dict[int, np.ndar
             continue
         shortest = min(o.end - o.start for o in closed)  # type: ignore[operator]
         for o in closed:
-            waited = (o.end - o.start) - shortest  # type: ignore[operator]
+            later = max((p.start for p in closed if p is not o and host.get(p.rank) == host.get(o.rank)),
+                        default=o.start)
+            waited = max((o.end - o.start) - shortest,  # type: ignore[operator]
+                         min(later - o.start, o.end - o.start))  # type: ignore[operator]
             if waited > 0:
                 out.setdefault(o.rank, []).append((o.start, o.end, waited))  # type: ignore[arg-type]
     return {r: np.array(rows, dtype=float) for r, rows in out.items()}
