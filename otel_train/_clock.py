@@ -57,16 +57,8 @@ def wall_offset_ns() -> int:
     kept: a thread descheduled between two clock reads (a loaded machine) would otherwise look like a
     step of the time it waited.
     """
-    best = None
-    for _ in range(3):
-        before = monotonic_ns()
-        wall = time_ns()
-        after = monotonic_ns()
-        if best is None or after - before < best[0]:
-            best = (after - before, wall - ((before + after) // 2 + _OFFSET_NS))
-        if after - before < 100_000:
-            break
-    return best[1]  # type: ignore[index]
+    wall, mono = _bracketed()
+    return wall - (mono + _OFFSET_NS)
 
 
 def from_wall(wall_ns: int) -> int:
