@@ -155,9 +155,12 @@ def all_reduce_metrics(loss: torch.Tensor, group: Any, faults: Faults) -> None:
 
 def hang(how: str, rank: int, phase: str, step: int) -> None:
     """Never return: sleep (the GIL stays free), a regular expression (C code holding the GIL for hours:
-    not even the watchdog thread runs), or die by SIGKILL inside the span."""
+    not even the watchdog thread runs), or die by SIGKILL inside the span, 0.2 s into it, as a process
+    killed while it works (a kill at the very instant a phase starts may find the previous phase open on
+    disk: the trace writer's thread had not run yet; docs/runtime.md, "What a SIGKILL can lose")."""
     log.warning("injected hang (%s): rank %d in %s at step %d", how, rank, phase, step)
     if how == "kill":
+        time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "regex":
         re.match(r"(a+)+$", "a" * 64 + "b")  # 2**64 backtracking steps

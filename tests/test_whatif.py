@@ -9,7 +9,7 @@ from analysis_fixtures import Proc, write_run
 from sync_sim import Times, base, simulate
 
 from otel_train.analysis.spans import load_run
-from otel_train.analysis.whatif import UNTRACED, whatif
+from otel_train.analysis.whatif import UNTRACED, sync_table, whatif
 from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER
 
 def run_of(tmp_path: Path, times: Times, world: int = 4, steps: int = 21, **proc: object) -> dict:
@@ -101,6 +101,34 @@ def test_two_ranks_ideal_is_the_faster_rank(tmp_path: Path) -> None:
     assert out["step_ms"]["ideal"] == pytest.approx(clean, abs=0.05)
     assert by(out["by_rank"], "rank")[1] == pytest.approx(80.0 / clean, rel=1e-3)
     assert by(out["by_rank"], "rank")[0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_an_op_outside_the_steps_that_overlaps_them_is_not_a_phase(tmp_path: Path) -> None:
+    # Seen in CI: an init-time all_gather whose Flight Recorder entry found its end 848 ms late, top level
+    # and overlapping steps 0 - 5, became a column of rank 0 with (untraced) -847 ms in one interval; the
+    # two-rank ideal took one column from each rank and fell 20 ms below every rank's own step.
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        t[DATA_FETCH] = 25.0 if rank == 1 else 5.0
+        return t
+
+    procs = [Proc(rank=r, world_size=2) for r in range(2)]
+    simulate(procs, 12, times)
+    p = procs[0]
+    p.set_step(None)  # type: ignore[arg-type]
+    p.now_ms, saved = 50.0, p.now_ms
+    p.start("comm.all_gather", **{"comm.group": "0", "comm.seq": 1})
+    p.now_ms = 5 * 80.0 + 10.0  # its end lies inside step 5's forward
+    p.end()
+    p.now_ms = saved
+    p.shutdown()
+    write_run(tmp_path, procs)
+    run = load_run(tmp_path, warn=pytest.fail)
+    table = sync_table(run.processes)
+    assert table is not None and not any(name.startswith("comm.") for name in table.phases)
+    assert (table.work[1:] >= -0.01).all()  # every rank's columns split its interval, none below zero
+    out = whatif(run)
+    assert out["step_ms"]["ideal"] == pytest.approx(30.0 + 5.0 + 20.0 + 5.0, abs=0.05)
 
 
 def test_untraced_time_and_windows(tmp_path: Path) -> None:

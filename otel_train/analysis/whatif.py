@@ -98,9 +98,12 @@ def _events(d: ProcessState, sync: Sequence[str]) -> _Events:
 
 
 def _local_phases(group: Sequence[ProcessState]) -> list[str]:
-    """Names that run between collectives: children of ``step`` and top-level spans, in step order."""
+    """Names that run between collectives: children of ``step`` and top-level spans, in step order. Not
+    ``comm.*`` ops: one outside the phases (an init-time all_gather whose end its Flight Recorder entry
+    found late) may overlap them; its time is ``(untraced)``'s."""
     return [n for n in Run(list(group)).phase_order()
-            if n != STEP and any(n in d.phases and d.parents.get(n) in (STEP, None) for d in group)]
+            if n != STEP and not n.startswith(schema.COMM_PREFIX)
+            and any(n in d.phases and d.parents.get(n) in (STEP, None) for d in group)]
 
 
 def sync_table(group: Sequence[ProcessState], sync: Sequence[str] = SYNC_PHASES,
@@ -159,13 +162,18 @@ def _host_offsets(ends: np.ndarray, hosts: list[str | None]) -> np.ndarray:
 
 
 def _assign(d: ProcessState, name: str, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """ms of ``name`` spans that ended between collective k-1's end and collective k's start, per k."""
+    """ms of ``name`` spans that ended between collective k-1's end and collective k's start, per k, each
+    counted only for its part inside that interval: a span that began earlier (an op outside the steps
+    that overlaps them, one whose end came late) never makes a rank's columns add up to more than the
+    interval, so every rank's columns split the same time (the two-rank ideal takes columns from both)."""
     _, durs, span_ends = columns(d, name)
     k = np.searchsorted(ends, span_ends, side="left")
     ok = (k >= 1) & (k < ends.size)
     # Not nested in (or overlapping) the collective; the slack covers float rounding of Unix times.
     ok[ok] = span_ends[ok] <= starts[k[ok]] + TIME_SLACK_S
-    return np.bincount(k[ok], weights=durs[ok], minlength=ends.size)
+    k, durs, span_ends = k[ok], durs[ok], span_ends[ok]
+    inside = (span_ends - np.maximum(span_ends - durs / 1000.0, ends[k - 1])) * 1000.0
+    return np.bincount(k, weights=np.clip(inside, 0.0, durs), minlength=ends.size)
 
 
 # ---------------------------------------------------------------------------------------------
