@@ -46,11 +46,22 @@ def _cmd(save: Path, *args: str) -> list[str]:
             "--save-path", str(save), *COMMON, *args]
 
 
-def _job(save: Path, clocks: dict[str, str], *args: str, ok: bool = True) -> dict:
-    done = subprocess.run(_cmd(save, *args), cwd=save.parent, env=_env(clocks), capture_output=True, text=True,
-                          timeout=300, start_new_session=True)
+def _start(save: Path, clocks: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """A job started; the honest and the skewed twin run side by side (their ranks mostly sleep), which
+    halves the wall time and lets them meet the same machine."""
+    return subprocess.Popen(_cmd(save, *args), cwd=save.parent, env=_env(clocks), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _finish(job: subprocess.Popen[str], save: Path, ok: bool = True) -> dict:
+    try:
+        _, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(timeout=30)
     if ok:
-        assert done.returncode == 0, done.stderr[-4000:]
+        assert job.returncode == 0, err[-4000:]
     return summarize(save)
 
 
@@ -73,8 +84,8 @@ def _check_clock(summary: dict, span_s: float, samples: int = 20) -> dict:
 def test_faketime_straggler_is_the_honest_one(tmp_path: Path) -> None:
     # 250 steps of ~0.2 s: the collectives span more than the 20 s a drift needs (docs/clock.md).
     args = ("--steps", "250", "--slow-rank", "1", "--slow-phase", "data_fetch", "--slow-ms", "150")
-    honest = _job(tmp_path / "honest", HONEST, *args)
-    skewed = _job(tmp_path / "skewed", FAKE, *args)
+    jobs = {"honest": _start(tmp_path / "honest", HONEST, *args), "skewed": _start(tmp_path / "skewed", FAKE, *args)}
+    honest, skewed = (_finish(jobs[name], tmp_path / name) for name in ("honest", "skewed"))
     assert _hosts(skewed) == {0: "host-a", 1: "host-a", 2: "host-b", 3: "host-b"}
     h_rows = {r["host"]: r for r in honest["clock"]}
     assert abs(h_rows["host-b"]["offset_ms"]) < 10.0  # one machine: the same clock
@@ -94,7 +105,7 @@ HANG = ("--steps", "12", "--hang-rank", "1", "--hang-step", "6", "--hang-phase",
 
 
 def test_faketime_hang_culprit_is_the_honest_one_and_watch_sees_it(tmp_path: Path) -> None:
-    honest = _job(tmp_path / "honest", HONEST, *HANG, ok=False)
+    honest_job = _start(tmp_path / "honest", HONEST, *HANG)
     save = tmp_path / "skewed"
     job = subprocess.Popen(_cmd(save, *HANG), cwd=tmp_path, env={**_env(FAKE), "OTEL_TRAIN_STALL_MIN_S": "2"},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -109,6 +120,7 @@ def test_faketime_hang_culprit_is_the_honest_one_and_watch_sees_it(tmp_path: Pat
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+    honest = _finish(honest_job, tmp_path / "honest", ok=False)
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     live = [e["finding"] for e in events if e.get("type") == "finding"]
     hangs = [f for f in live if f["kind"] == "hang"]
