@@ -65,14 +65,19 @@ def test_follow_ships_spans_while_a_writer_appends_and_rotates(tmp_path: Path) -
                   if json.loads(l)[schema.KIND] == schema.SPAN_END}
     with GrpcOtlpReceiver() as rx:
         result = {}
+        # Stopped once everything arrived, never by idle_exit_s: on a loaded machine the writer can sit
+        # idle for seconds, and an idle exit ships the spans still open as incomplete (a test of its own).
+        stop = threading.Event()
         tail = threading.Thread(target=lambda: result.update(stats=follow(
-            tmp_path, open_destination(rx.endpoint, "grpc"), poll_s=0.05, idle_exit_s=5.0)))
+            tmp_path, open_destination(rx.endpoint, "grpc"), poll_s=0.05, stop=stop)))
         tail.start()
         # spans of the first half arrive while the writer still waits on the gate: shipped as they end
         rx.wait_for(len(first_half), timeout=20)
         assert writer.poll() is None
         gate.touch()
         assert writer.wait(timeout=30) == 0
+        rx.wait_for(len(expected), timeout=30)
+        stop.set()
         tail.join(timeout=30)
         assert not tail.is_alive()
         spans = rx.spans()

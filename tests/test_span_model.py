@@ -111,6 +111,32 @@ def test_model_pairs_spans_and_marks_unclosed(tmp_path: Path) -> None:
     assert a.host == "node0" and a.world_size == 2 and a.pid == alive.pid
 
 
+def test_an_op_its_caller_outlived_is_not_where_the_rank_stopped(tmp_path: Path) -> None:
+    # Seen in CI (tests/test_grad_accum.py): the last step's all_reduce, read from the Flight Recorder
+    # buffer, was not marked done by gloo when the process shut down cleanly; shutdown ended it
+    # incomplete after its backward had ended, and summarize called a finished run a hang.
+    done, stuck = Proc(rank=0), Proc(rank=1)
+    for p in (done, stuck):
+        p.steps(range(3))
+        p.set_step(3)
+        p.start("step")
+        p.start("backward")
+        p.start("comm.all_reduce", **{"comm.group": "0", "comm.seq": 4, "comm.source": "flight_recorder"})
+        p.advance(2.0)
+    done._stack[-1], done._stack[-2] = done._stack[-2], done._stack[-1]
+    done.end()  # backward returned: the op was done
+    done.end(schema.STATUS_INCOMPLETE)  # ... but shutdown found it unfinished
+    done.end()
+    for _ in range(3):  # the other rank stopped inside the op: every span ended incomplete, innermost first
+        stuck.end(schema.STATUS_INCOMPLETE)
+    for p in (done, stuck):
+        p.shutdown()
+    write_run(tmp_path, [done, stuck])
+    d, s = list(iter_processes(tmp_path, Reader()))
+    assert [u.name for u in d.unclosed] == [] and d.phases["comm.all_reduce"].durs[-1] == pytest.approx(2.0)
+    assert sorted(u.name for u in s.unclosed) == ["backward", "comm.all_reduce", "step"]
+
+
 def test_span_whose_start_rotated_away_is_rebuilt(tmp_path: Path) -> None:
     p = Proc(rank=0)
     p.steps(range(4))

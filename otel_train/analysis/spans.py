@@ -7,7 +7,8 @@ stats, findings, every export format, push and ``push --follow``, live ``watch``
   step of its start record;
 * an end whose start is missing (it rotated away) is a span that started ``dur_ms`` before its end;
 * a start without an end is *open* (the process died inside it, or is still inside it);
-* an end with status ``incomplete`` (ended by shutdown) is *unclosed* like an open span;
+* an end with status ``incomplete`` (ended by shutdown) is *unclosed* like an open span, except a
+  ``comm.*`` op whose parent had already ended (its caller went on: closed at that end);
 * an end with status ``error`` is an error span;
 * a ``process_end`` instant means the process ended through ``shutdown()``;
 * attempts come from the ``attempt`` field of a process's first records, numbered by start time
@@ -473,12 +474,23 @@ class ProcessState:
             series = self.phases[name] = PhaseSeries()
         return (series.steps.append, series.durs.append, series.ends.append)
 
+    def _caller_went_on(self, name: str, started: SpanStart | None) -> bool:
+        """Whether an op ended ``incomplete`` by shutdown had a parent span that had already ended: the
+        rank did not stop inside it (its caller returned, so the op was done), the recorder only never
+        saw it finish (a Flight Recorder entry whose completion gloo had not marked yet at exit)."""
+        if started is None or not name.startswith(schema.COMM_PREFIX):
+            return False
+        parent = started.parent_span_id
+        return parent is not None and parent not in self.opened and all(u.span_id != parent for u in self.incomplete)
+
     def _end_rare(self, rec: SpanEnd, started: SpanStart | None) -> None:
         """A span end that is not a plain ok: error, incomplete, or without its start or duration."""
         name = rec.name
         sid = rec.span_id or ""
         step = started.step if started is not None else rec.step
         status = rec.status or schema.STATUS_OK
+        if status == schema.STATUS_INCOMPLETE and self._caller_went_on(name, started):
+            status = schema.STATUS_OK
         if started is not None:
             start_ts = started.ts
         else:  # its start record rotated away: it began dur_ms before its end
