@@ -115,8 +115,8 @@ def test_an_op_its_caller_outlived_is_not_where_the_rank_stopped(tmp_path: Path)
     # Seen in CI (tests/test_grad_accum.py): the last step's all_reduce, read from the Flight Recorder
     # buffer, was not marked done by gloo when the process shut down cleanly; shutdown ended it
     # incomplete after its backward had ended, and summarize called a finished run a hang.
-    done, stuck = Proc(rank=0), Proc(rank=1)
-    for p in (done, stuck):
+    done, stuck, killed = Proc(rank=0), Proc(rank=1), Proc(rank=2)
+    for p in (done, stuck, killed):
         p.steps(range(3))
         p.set_step(3)
         p.start("step")
@@ -129,10 +129,18 @@ def test_an_op_its_caller_outlived_is_not_where_the_rank_stopped(tmp_path: Path)
     done.end()
     for _ in range(3):  # the other rank stopped inside the op: every span ended incomplete, innermost first
         stuck.end(schema.STATUS_INCOMPLETE)
+    # tests/test_stats.py saw this one: gloo failed the op when its peer went away, backward and step
+    # raised, and the rank was SIGKILLed before anything ended the op's span.
+    killed._stack[-1], killed._stack[-2] = killed._stack[-2], killed._stack[-1]
+    killed.end(schema.STATUS_ERROR, {"type": "RuntimeError", "message": "Connection closed by peer"})
+    killed._stack[-1], killed._stack[-2] = killed._stack[-2], killed._stack[-1]
+    killed.end(schema.STATUS_ERROR, {"type": "RuntimeError", "message": "Connection closed by peer"})
     for p in (done, stuck):
         p.shutdown()
-    write_run(tmp_path, [done, stuck])
-    d, s = list(iter_processes(tmp_path, Reader()))
+    write_run(tmp_path, [done, stuck, killed])
+    d, s, k = list(iter_processes(tmp_path, Reader()))
+    assert not k.ended_cleanly and [u.name for u in k.unclosed] == []
+    assert [o.end for o in k.comm_ops()[0] if o.op == "all_reduce"] == [None]  # the comm graph still has it open
     assert [u.name for u in d.unclosed] == [] and d.phases["comm.all_reduce"].durs[-1] == pytest.approx(2.0)
     assert sorted(u.name for u in s.unclosed) == ["backward", "comm.all_reduce", "step"]
 

@@ -7,8 +7,8 @@ stats, findings, every export format, push and ``push --follow``, live ``watch``
   step of its start record;
 * an end whose start is missing (it rotated away) is a span that started ``dur_ms`` before its end;
 * a start without an end is *open* (the process died inside it, or is still inside it);
-* an end with status ``incomplete`` (ended by shutdown) is *unclosed* like an open span, except a
-  ``comm.*`` op whose parent had already ended (its caller went on: closed at that end);
+* an end with status ``incomplete`` (ended by shutdown) is *unclosed* like an open span; a ``comm.*``
+  op whose parent had already ended is neither (its caller went on: closed at that end, or dropped);
 * an end with status ``error`` is an error span;
 * a ``process_end`` instant means the process ended through ``shutdown()``;
 * attempts come from the ``attempt`` field of a process's first records, numbered by start time
@@ -475,9 +475,10 @@ class ProcessState:
         return (series.steps.append, series.durs.append, series.ends.append)
 
     def _caller_went_on(self, name: str, started: SpanStart | None) -> bool:
-        """Whether an op ended ``incomplete`` by shutdown had a parent span that had already ended: the
-        rank did not stop inside it (its caller returned, so the op was done), the recorder only never
-        saw it finish (a Flight Recorder entry whose completion gloo had not marked yet at exit)."""
+        """Whether a ``comm.*`` op never seen to end (ended ``incomplete`` by shutdown, or still open) has
+        a parent span that has already ended: the rank did not stop inside it (its caller returned or
+        raised, so the op was done or abandoned), the recorder only never saw it finish (a Flight
+        Recorder entry whose completion gloo had not marked yet, at exit or at a SIGKILL)."""
         if started is None or not name.startswith(schema.COMM_PREFIX):
             return False
         parent = started.parent_span_id
@@ -576,9 +577,10 @@ class ProcessState:
     @property
     def unclosed(self) -> list[OpenSpan]:
         """Spans running at the end (open) or ended by shutdown (incomplete), outermost first."""
+        opened = self.opened
         out = self.incomplete + [
             OpenSpan(r.name, r.span_id or "", r.parent_span_id, r.step, r.ts, STATUS_OPEN, r.tid)
-            for r in self.opened.values()
+            for r in opened.values() if not self._caller_went_on(r.name, r)
         ]
         out.sort(key=_start_ts)
         return out
