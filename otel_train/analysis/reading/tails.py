@@ -17,6 +17,7 @@ class _Segment:
     lines: int = 0  # complete lines consumed, for warnings
     partial: bytes = b""
     skipping: bool = False  # inside a line past MAX_LINE_BYTES: drop bytes up to its newline
+    missed: int = 0  # polls in a row that did not find it
 
 
 @dataclass(slots=True)
@@ -63,8 +64,16 @@ class Tail:
                     seen.add(key)
             if records:
                 out.append((pf, records))
-        for gone in set(self._segments) - seen:  # deleted segments: forget them, inode numbers get reused
-            del self._segments[gone]
+        # Deleted segments are forgotten (inode numbers get reused), but only once two polls in a row
+        # missed them: a rotation between listing and opening hides a live segment from one poll (``x``
+        # listed, renamed ``x.1`` before it is opened), and forgetting it then read it again from 0.
+        for key in set(self._segments) - seen:
+            seg = self._segments[key]
+            seg.missed += 1
+            if seg.missed >= 2:
+                del self._segments[key]
+        for key in seen:
+            self._segments[key].missed = 0
         return out
 
     def _warn_once(self, message: str) -> None:
