@@ -83,11 +83,15 @@ def test_structured_logs_deleted_mid_run_is_noticed_counted_and_made_again(
     records = read_records(tmp_path)
     seqs = [r[S.SEQ] for r in records]
     assert seqs == list(range(seqs[0], seqs[-1] + 1))  # gapless from the first record of the new file
-    notice = next(r for r in records if r[S.NAME] == S.INSTANT_WRITE_ERRORS)
-    assert notice[S.ATTRS]["reason"] == "trace file deleted" and notice[S.ATTRS]["lost_records"] > 0
-    lost = notice[S.ATTRS]["lost_records"]  # what the active file held (rotated segments are not counted)
-    assert notice[S.SEQ] == seqs[0] + 1  # right after the first record of the new file
-    assert writer.lost_records == lost and writer.errors == 0
+    lost = writer.lost_records  # what the active file held (rotated segments are not counted)
+    assert lost > 0 and writer.errors == 0
+    # Found at the next rotation or once-a-second check: a notice right after the new file's first
+    # record. Found only by shutdown's own look (seen once in a fresh-clone run on a loaded machine: no
+    # check came in the 15 steps), the loss is in shutdown's totals below instead.
+    notice = next((r for r in records if r[S.NAME] == S.INSTANT_WRITE_ERRORS and "reason" in r[S.ATTRS]), None)
+    if notice is not None:
+        assert notice[S.ATTRS]["reason"] == "trace file deleted" and notice[S.ATTRS]["lost_records"] == lost
+        assert notice[S.SEQ] == seqs[0] + 1
     end = records[-1]
     assert end[S.NAME] == S.INSTANT_PROCESS_END and end[S.ATTRS]["dropped_records"] == lost
     assert records[-2][S.ATTRS] == {"count": 0, "dropped_bytes": 0, "lost_records": lost,
