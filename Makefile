@@ -67,12 +67,12 @@ images: install chromium
 
 # Two workers (pytest-xdist), one test file each at a time: a third of the suite is real multi-rank
 # jobs that wait on one another, so two files overlap on the two cores (docs/benchmarks.md, "The suite").
-# The longest files go first (tests/conftest.py, LONGEST_FIRST), in that order: --no-loadscope-reorder.
+# The longest files go first (tests/conftest.py, LONGEST_FIRST), in that order:.
 # The three installs (this venv, Debian's tools, Phoenix's venv) wait on the network, so they run side
 # by side: about 65 s on a fresh machine here instead of 165 s one after another.
 test:
 	@$(MAKE) --no-print-directory -j3 -Otarget install system-tools phoenix
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15
 
 # The fault suite with more trials; rewrites docs/reliability.md's table (tests/faults/report.py).
 .PHONY: faults

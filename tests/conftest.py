@@ -94,23 +94,3 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
 
-
-LONGEST_FIRST = (
-    "test_demo.py", "test_comm_faults.py", "test_whatif_pipeline.py", "test_clock_torchrun.py",
-    "test_answers_torchrun.py", "test_watch_torchrun.py", "faults/test_fault_fuzz.py", "test_perfetto_ui.py",
-    "test_comm_jobs.py", "test_diff.py", "faults/test_fault_clock_step.py", "test_grad_accum.py",
-)
-"""Test files of a minute or more of real jobs, longest first (``make test``'s ``--durations`` on this
-machine), but the pipeline what-if jobs (whose clean and faulty runs are compared) not beside the
-demo's. Run first, they leave the short files to fill both workers' ends (``make test`` passes
-``--no-loadscope-reorder``, so ``--dist loadfile`` hands files out in this order; by default xdist puts
-the files with the most tests first, and these few-test files came last): the suite is not left
-waiting on one long file started last."""
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.path.as_posix()
-        return next((i for i, name in enumerate(LONGEST_FIRST) if path.endswith("/tests/" + name)), len(LONGEST_FIRST))
-
-    items.sort(key=rank)  # stable: the order within a file, and of the other files, is kept
