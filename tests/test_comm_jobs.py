@@ -241,12 +241,20 @@ def test_a_rank_waiting_in_an_op_shows_an_open_comm_span_within_a_second(tmp_pat
     dumps: dict[int, Path] = {}
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and len(seen) < 2 and proc.poll() is None:
+        # The op each rank waits in for good: open, and still the same one 1.5 s after it was first seen
+        # (on a loaded machine a poll also catches ops of step 3 that were open only for a moment).
+        while time.monotonic() < deadline and proc.poll() is None:
             if (save / S.STRUCTURED_LOGS_DIR).exists():
                 for rank, starts in open_comm_spans(save).items():
                     waiting = [s for s in starts if s.get("step", -1) >= 3]
-                    if waiting and rank not in seen:
-                        seen[rank] = (waiting[0], time.time())
+                    if not waiting:
+                        seen.pop(rank, None)
+                        continue
+                    latest = max(waiting, key=lambda r: r["ts"])  # the op it began waiting in last
+                    if rank not in seen or seen[rank][0]["span_id"] != latest["span_id"]:
+                        seen[rank] = (latest, time.time())
+            if len(seen) == 2 and all(time.time() - at >= 1.5 for _, at in seen.values()):
+                break
             time.sleep(0.05)
         alive = proc.poll() is None
         deadline = time.monotonic() + 30
