@@ -577,10 +577,9 @@ class ProcessState:
     @property
     def unclosed(self) -> list[OpenSpan]:
         """Spans running at the end (open) or ended by shutdown (incomplete), outermost first."""
-        opened = self.opened
         out = self.incomplete + [
             OpenSpan(r.name, r.span_id or "", r.parent_span_id, r.step, r.ts, STATUS_OPEN, r.tid)
-            for r in opened.values() if not self._caller_went_on(r.name, r)
+            for r in self.opened.values() if not self._caller_went_on(r.name, r)
         ]
         out.sort(key=_start_ts)
         return out
