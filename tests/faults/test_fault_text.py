@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from analysis_fixtures import Proc, write_run
+from faultlib import reported, trials
 
 from otel_train.cli._text import clean, printable
 
@@ -35,7 +37,10 @@ HOSTILE = [
     ":smile: emoji code",
     "x" * 5000,
 ]
-RAW_CONTROL = re.compile(rb"[\x00-\x08\x0b-\x0c\x0e-\x1f\x7f]|\xc2[\x80-\x9f]|\xe2\x80[\xae\xad\xaa-\xac]|\xe2\x81[\xa6-\xa9]")
+RAW_CONTROL = re.compile(rb"[\x00-\x08\x0b-\x1f\x7f]|\xc2[\x80-\x9f]|\xe2\x80[\x8e\x8f\xaa-\xae]|"
+                         rb"\xe2\x81[\xa6-\xa9]|\xd8\x9c|\xed[\xa0-\xbf]")
+"""A raw control byte in UTF-8 output: C0 but tab and newline (a carriage return overwrites a line),
+DEL, C1, bidi marks, overrides and isolates, and an encoded lone surrogate (surrogateescape)."""
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +90,12 @@ def test_hostile_text_is_printed_as_data(hostile_run: Path, command: tuple[str, 
 
 
 def test_the_gloo_error_is_shown_whole(hostile_run: Path) -> None:
+    holds = "a crash with gloo's real error text ([/__w/pytorch/.../pair.cc:553] ...): summarize exits 0 and shows it whole"
+    with reported("gloo's error text in a crash", holds, 1):
+        _gloo_error_shown(hostile_run)
+
+
+def _gloo_error_shown(hostile_run: Path) -> None:
     out = cli("summarize", str(hostile_run))
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     text = out.stdout.decode()
@@ -102,6 +113,12 @@ def test_diff_and_export_survive_hostile_text(hostile_run: Path, tmp_path: Path)
 
 def test_tables_in_a_pipe_keep_their_natural_width(tmp_path: Path) -> None:
     # make demo | tee: "process_en d", "20:06:48.3 82" before; every cell must come out whole.
+    holds = "summarize's tables in a pipe: a 120-column phase name and process_end whole; COLUMNS=60 still wins"
+    with reported("tables in a pipe (not a terminal)", holds, 1):
+        _tables_in_a_pipe(tmp_path)
+
+
+def _tables_in_a_pipe(tmp_path: Path) -> None:
     long = "a_phase_name_longer_than_eighty_columns_" * 3
     procs = [Proc(rank=r, world_size=2) for r in range(2)]
     for step in range(6):
@@ -123,3 +140,111 @@ def test_printable_escapes_and_cuts() -> None:
     assert printable("tab\tand\nnewline") == "tab\tand\nnewline"
     assert printable("y" * 10, limit=4) == "yyyy… (10 characters)"
     assert clean({"k\x07": ["\x1b", 1, None]}) == {"k\\x07": ["\\x1b", 1, None]}
+
+
+# Generated hostile strings (issue 19's target: 2,000 of them through every command). Each string is
+# a few pieces drawn from these families; one string per run is 1 MB.
+PIECES = {
+    "markup": ["[bold red]", "[/bold red]", "[/]", "[link=https://evil.example]", "[/link]", "[", "]", "\\[",
+               "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]", ":smile:", "[on #ff0000]",
+               "[blink]", "[@click=app.quit]"],
+    "escape": ["\x1b[31m", "\x1b[0m", "\x1b[2J", "\x1b[H", "\x1b]52;c;ZWNobyBwd25lZA==\x07", "\x1bc",
+               "\x1b]8;;https://evil.example\x1b\\", "\x1b]0;title\x07", "\x1bP+q544e\x1b\\", "\x9b2J",
+               "\x9d0;t\x9c", "\x1b[6n", "\x1b"],
+    "bidi": ["\u202e", "\u202d", "\u202a", "\u202b", "\u202c", "\u2066", "\u2067", "\u2068", "\u2069",
+             "\u200e", "\u200f", "\u061c"],
+    "control": ["\x00", "\x07", "\x08", "\x7f", "\r", "\x0b", "\x0c", "\x85", "\t", "\n", "\x1f"],
+    "surrogate": ["\ud800", "\udcff", "\udfff", "\ud83d"],
+    "text": ["load", "data_fetch", "shard-7", "\u00e9t\u00e9", "\u6570\u636e", "\U0001f525", "a" * 40, " ",
+             "%s", "{0}", "${HOME}", "\\", '"', "'", "<script>", "|", "\u0301"],
+}
+STRINGS_PER_RUN = 100
+MAX_RUNS = 20
+"""``make faults`` runs 20 runs of 100 strings (2,000); ``make test`` one."""
+
+
+def hostile_strings(rnd: random.Random, count: int) -> list[str]:
+    """``count`` distinct strings of 1 to 8 pieces from random families; the last one is 1 MB."""
+    families = sorted(PIECES)
+    out: set[str] = set()
+    while len(out) < count - 1:
+        out.add("".join(rnd.choice(PIECES[rnd.choice(families)]) for _ in range(rnd.randint(1, 8))))
+    big = rnd.choice(PIECES["markup"]) + rnd.choice(PIECES["escape"]) + "x" * 1_000_000 + rnd.choice(PIECES["bidi"])
+    return [*sorted(out), big]
+
+
+def hostile_generated_run(root: Path, strings: list[str]) -> Path:
+    """A 3-rank run that wears ``strings`` everywhere text reaches output: host names, phase names (rank
+    1 slower in the first), a crash's exception type and message, the spans two ranks stop inside, stall
+    instants' spans, thread names and stack frames; the 1 MB string is the crash's message.
+
+    A record holding a lone surrogate is a malformed line (our writer never writes one: it writes
+    U+FFFD, docs/runtime.md), skipped and counted: those strings go into the stall records, last, so
+    that the others reach the output."""
+    lone = re.compile("[\ud800-\udfff]")
+    s = iter(sorted(strings[:-1], key=lambda x: bool(lone.search(x))))
+    hosts = [next(s) for _ in range(3)]
+    phases = [next(s) for _ in range(16)]
+    procs = [Proc(rank=r, world_size=3, host=hosts[r]) for r in range(3)]
+    for step in range(8):
+        for p in procs:
+            p.step(step, {name: 1.0 + (6.0 if p.rank == 1 and i == 0 else 0.0) for i, name in enumerate(phases)})
+    procs[0].fail(8, next(s), next(s), strings[-1])
+    procs[1].stop_inside(8, [next(s), next(s)])
+    procs[2].stop_inside(8, [next(s), next(s)])
+    rest = list(s)
+    for i in range(0, len(rest) - 2, 3):
+        procs[1 + i % 2].instant("stall", span=rest[i], open_s=30.0, threshold_s=10.0,
+                                 stacks=[{"tid": 1, "thread": rest[i + 1], "frames": [f"{rest[i + 2]}:1:f"]}])
+    procs[0].shutdown()
+    write_run(root, procs)
+    return root
+
+
+def phase_of(run: Path) -> str:
+    """The slowed phase of :func:`hostile_generated_run`'s run (rank 1's first phase)."""
+    for line in next((run / "structured_logs").glob("*rank_1.*")).read_text().splitlines():
+        rec = json.loads(line)
+        if rec["kind"] == "span_start" and rec["name"] != "step":
+            return rec["name"]
+    raise AssertionError("no phase")
+
+
+GENERATED_COMMANDS = [*COMMANDS[:8], ("watch", "--timeout", "1"), ("watch", "--json", "--timeout", "1")]
+
+
+def _check_output(out: subprocess.CompletedProcess[bytes], command: tuple[str, ...], seed: int) -> None:
+    where = (seed, command, out.stderr.decode(errors="replace")[-500:])
+    assert out.returncode in (0, 2), where
+    for stream in (out.stdout, out.stderr):
+        raw = RAW_CONTROL.search(stream)
+        assert raw is None and b"Traceback" not in stream, (where, raw and stream[max(raw.start() - 40, 0):raw.end() + 40])
+    if "--json" in command:
+        lines = out.stdout.decode().splitlines() if command[0] == "watch" else [out.stdout.decode()]
+        for line in lines:
+            json.loads(line)
+
+
+def test_generated_hostile_strings_through_every_command(tmp_path: Path) -> None:
+    runs = min(trials(1), MAX_RUNS)
+    holds = (f"{STRINGS_PER_RUN} generated strings a run (rich markup, ANSI/OSC/DCS sequences, C0/C1 controls, "
+             "bidi controls, NUL, lone surrogates, one 1 MB string) as hosts, phases, a crash's type and message, "
+             "open spans, stall stacks: summarize (--fast), stats, whatif, watch, diff, export chrome/perfetto, "
+             "text and --json: exit 0 or 2, no raw control byte on stdout or stderr, JSON valid")
+    with reported("hostile text: generated strings through every command", holds, runs * STRINGS_PER_RUN):
+        for seed in range(runs):
+            run = hostile_generated_run(tmp_path / f"run{seed}", hostile_strings(random.Random(seed), STRINGS_PER_RUN))
+            for command in GENERATED_COMMANDS:
+                out = cli(*command, str(run))
+                _check_output(out, command, seed)
+                if command == ("summarize",):  # the slow phase is named, as visible escapes
+                    text = out.stdout.decode()  # a newline in a name breaks it over lines of a table cell
+                    assert all(part in text for part in printable(phase_of(run)).split("\n")), (seed, text[-2000:])
+            for command in (("diff", str(run), str(run)), ("diff", str(run), str(run), "--json")):
+                _check_output(cli(*command), command, seed)
+            for fmt in ("chrome", "perfetto"):
+                target = tmp_path / f"t{seed}.{fmt}"
+                out = cli("export", str(run), "--format", fmt, "--output", str(target))
+                _check_output(out, ("export", fmt), seed)
+                if fmt == "chrome":
+                    json.loads(target.read_bytes())
