@@ -234,7 +234,7 @@ def _args(command: str, root: Path, as_json: bool, endpoint: str) -> list[str]:
     return args + extra.get(command, [])
 
 
-@settings(max_examples=examples(1500), deadline=None, database=None, derandomize=not EXPLORE,
+@settings(max_examples=examples(700), deadline=None, database=None, derandomize=not EXPLORE,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(run=runs(), command=st.sampled_from(COMMANDS), as_json=st.booleans())
 def test_every_command_on_hostile_runs(scratch: Path, run: dict[str, Any], command: str, as_json: bool,
