@@ -67,7 +67,7 @@ images: install chromium
 
 # Two workers (pytest-xdist), one test file each at a time: a third of the suite is real multi-rank
 # jobs that wait on one another, so two files overlap on the two cores (docs/benchmarks.md, "The suite").
-# The longest files go first (tests/conftest.py, LONGEST_FIRST), in that order:.
+# pytest-xdist's own order: the longest files first put the multi-rank jobs side by side (slower).
 # The three installs (this venv, Debian's tools, Phoenix's venv) wait on the network, so they run side
 # by side: about 65 s on a fresh machine here instead of 165 s one after another.
 test:

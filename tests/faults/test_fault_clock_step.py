@@ -14,7 +14,7 @@ host's clock offset from one file (``FAKETIME_TIMESTAMP_FILE``, re-read at every
   ``watch`` (on the real clock) names rank 1. Before, after a 60 s backward step watch reported
   nothing although the process wrote its stall records.
 
-``make test`` runs one trial per case; ``make faults`` (``FAULT_TRIALS``) up to 20 of each offset.
+``make test`` runs one trial per case; ``make faults`` (``FAULT_TRIALS``) up to 20 of each offset, two jobs at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,8 @@ ot.shutdown()
 """
 
 
-def _files(root: Path) -> tuple[Path, Path]:
-    launch, job = root / "launch.py", root / "job.py"
+def _files(root: Path, tag: str) -> tuple[Path, Path]:
+    launch, job = root / f"launch-{tag}.py", root / f"job-{tag}.py"  # one pair a job: trials run side by side
     launch.write_text(LAUNCH)
     job.write_text(JOB)
     return launch, job
@@ -122,7 +123,7 @@ def _env() -> dict[str, str]:
 
 
 def _job(root: Path, save: Path, mode: str, offset: str, step_at: str) -> list[str]:
-    launch, job = _files(root)
+    launch, job = _files(root, save.name)
     clock = root / f"clock-{save.name}"
     clock.write_text("+0s\n")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(launch), LIB,
@@ -193,27 +194,41 @@ def test_a_clock_step_does_not_change_a_crash(tmp_path: Path) -> None:
              "at the crash or at a random step before: summarize says crash rank 2 and nothing else about "
              "ranks 0, 1, nor does watch; every process's spans in order, durations positive; the step is recorded")
     with reported("wall-clock step mid-run: a crash (libfaketime)", holds, len(cases)):
-        for i, (offset, where) in enumerate(cases):
-            save = tmp_path / f"crash{i}"
-            subprocess.run(_job(tmp_path, save, "crash", offset, where), env=_env(), capture_output=True,
-                           text=True, timeout=300, start_new_session=True)
-            _kill_job(save)
-            summary = summarize(save)
-            culprits = _crash_culprits(summary)
-            assert culprits and culprits[0] == ("crash", 2), (offset, where, summary["findings"])
-            assert all(rank == 2 for _, rank in culprits), (offset, where, summary["findings"])
-            for d in load_run(save, warn=lambda _: None).processes:  # no step inside a duration
-                for name, series in d.phases.items():
-                    assert 0 <= min(series.durs) and max(series.durs) < 30_000, (offset, where, d.rank, name)
-            _assert_in_order(save, offset, where)
-            live = LiveRun(save, warn=lambda _: None, background=False)  # watch, on the finished run
-            events = live.poll() + live.poll()
-            live.close()
-            seen = [(e["finding"]["kind"], e["finding"]["rank"]) for e in events
-                    if e["type"] == "finding" and e["finding"]["kind"] in ("crash", "hang")]
-            assert seen and seen[0] == ("crash", 2) and all(rank == 2 for _, rank in seen), (offset, where, seen)
-            if where != "fault" and abs(float(offset[:-1])) >= 1:
-                _assert_step_recorded(save, offset)
+        _side_by_side(_crash_trial, tmp_path, cases)
+
+
+def _side_by_side(trial, tmp_path: Path, cases: list[tuple[str, str]]) -> None:
+    """Each case's trial; with more than one (``make faults``), two jobs at a time (each job's ranks
+    mostly wait: two 3-rank jobs share the two cores), every failure raised."""
+    if len(cases) == 1:
+        trial(tmp_path, 0, *cases[0])
+        return
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for done in [pool.submit(trial, tmp_path, i, offset, where) for i, (offset, where) in enumerate(cases)]:
+            done.result()
+
+
+def _crash_trial(tmp_path: Path, i: int, offset: str, where: str) -> None:
+    save = tmp_path / f"crash{i}"
+    subprocess.run(_job(tmp_path, save, "crash", offset, where), env=_env(), capture_output=True,
+                   text=True, timeout=300, start_new_session=True)
+    _kill_job(save)
+    summary = summarize(save)
+    culprits = _crash_culprits(summary)
+    assert culprits and culprits[0] == ("crash", 2), (offset, where, summary["findings"])
+    assert all(rank == 2 for _, rank in culprits), (offset, where, summary["findings"])
+    for d in load_run(save, warn=lambda _: None).processes:  # no step inside a duration
+        for name, series in d.phases.items():
+            assert 0 <= min(series.durs) and max(series.durs) < 30_000, (offset, where, d.rank, name)
+    _assert_in_order(save, offset, where)
+    live = LiveRun(save, warn=lambda _: None, background=False)  # watch, on the finished run
+    events = live.poll() + live.poll()
+    live.close()
+    seen = [(e["finding"]["kind"], e["finding"]["rank"]) for e in events
+            if e["type"] == "finding" and e["finding"]["kind"] in ("crash", "hang")]
+    assert seen and seen[0] == ("crash", 2) and all(rank == 2 for _, rank in seen), (offset, where, seen)
+    if where != "fault" and abs(float(offset[:-1])) >= 1:
+        _assert_step_recorded(save, offset)
 
 
 @needs_faketime
@@ -222,22 +237,25 @@ def test_a_clock_step_does_not_hide_a_hang_from_watch(tmp_path: Path) -> None:
     holds = ("3 ranks, rank 1 stops inside data_fetch; the host's wall clock steps -60 s / -0.5 s / +60 s as it "
              "stops or at a random step before: watch (on the real clock) names hang rank 1 within 40 s")
     with reported("wall-clock step mid-run: a hang, watched live (libfaketime)", holds, len(cases)):
-        for i, (offset, where) in enumerate(cases):
-            save = tmp_path / f"hang{i}"
-            job = subprocess.Popen(_job(tmp_path, save, "hang", offset, where), env=_env(), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, start_new_session=True)
-            try:
-                _wait_for_hang(save, job)
-                watch = subprocess.run([sys.executable, "-m", "otel_train.cli", "watch", str(save), "--json",
-                                        "--exit-on", "hang,crash", "--timeout", str(WATCH_S)], env=_env(),
-                                       capture_output=True, text=True, timeout=150)
-            finally:
-                _kill_job(save)
-                job.wait(timeout=60)
-            events = [json.loads(line) for line in watch.stdout.splitlines() if line.startswith("{")]
-            found = [e["finding"] for e in events if e["type"] == "finding" and e["finding"]["kind"] in ("hang", "crash")]
-            assert found, (offset, where, watch.stdout[-2000:], watch.stderr[-2000:])
-            assert (found[0]["kind"], found[0]["rank"]) == ("hang", 1), (offset, where, found)
+        _side_by_side(_hang_trial, tmp_path, cases)
+
+
+def _hang_trial(tmp_path: Path, i: int, offset: str, where: str) -> None:
+    save = tmp_path / f"hang{i}"
+    job = subprocess.Popen(_job(tmp_path, save, "hang", offset, where), env=_env(), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _wait_for_hang(save, job)
+        watch = subprocess.run([sys.executable, "-m", "otel_train.cli", "watch", str(save), "--json",
+                                "--exit-on", "hang,crash", "--timeout", str(WATCH_S)], env=_env(),
+                               capture_output=True, text=True, timeout=150)
+    finally:
+        _kill_job(save)
+        job.wait(timeout=60)
+    events = [json.loads(line) for line in watch.stdout.splitlines() if line.startswith("{")]
+    found = [e["finding"] for e in events if e["type"] == "finding" and e["finding"]["kind"] in ("hang", "crash")]
+    assert found, (offset, where, watch.stdout[-2000:], watch.stderr[-2000:])
+    assert (found[0]["kind"], found[0]["rank"]) == ("hang", 1), (offset, where, found)
 
 
 def _anchored(p: Proc, wall_minus_mono_ns: int) -> Proc:
