@@ -528,7 +528,8 @@ class QueuedWriter:
     A *sync point* (the first line, once a second when the ticker lowers ``_limit``, before a rotation,
     after ``SYNC_BYTES``, every record while no file can be made): the caller queues a file check, then
     the line, and waits until the writer has written it, at most ``STALL_S``; a deleted file's notice
-    follows the first line of the new one, and the line is in the kernel when ``write`` returns.
+    follows the first line of the new one (when the writer missed the wait, ``missed_syncs``, the first
+    line handed over once it caught up), and the line is in the kernel when ``write`` returns.
     A writer that did not get there in time is *stalled*: nobody waits for it until it has caught up.
     A stall is reported (stderr, and a notice record when it ends) once it has lasted ``STALL_REPORT_S`` or
     cost a record; a shorter one (a writer thread kept from the GIL by busy threads) passes silently.
@@ -538,7 +539,8 @@ class QueuedWriter:
     __slots__ = (
         "_file", "_queue", "_put", "_thread", "_pos", "_done", "_limit", "_busy_since", "_current",
         "_stalled_since", "_stall_reported", "_stall_dropped", "_stall_dropped_bytes", "_dropped",
-        "_dropped_bytes_own", "_losses", "_notices", "_closed", "_forked", "on_loss", "on_notice", "__weakref__",
+        "_dropped_bytes_own", "_losses", "_notices", "_closed", "_forked", "_missed", "on_loss", "on_notice",
+        "__weakref__",
     )
 
     def __init__(self, file: RotatingFileWriter) -> None:
@@ -560,6 +562,7 @@ class QueuedWriter:
         self._losses: deque[tuple[int, int]] = deque()  # deleted-file losses, not yet announced
         self._notices: deque[dict[str, Any]] = deque()  # ended stalls, not yet announced
         self._closed = self._forked = False
+        self._missed = 0  # sync points whose wait ended before the writer got there
         self.on_loss: Callable[[int, int, str], None] | None = None
         self.on_notice: Callable[[dict[str, Any]], None] | None = None
         self._thread = threading.Thread(target=self._run, name="otel_train.writer", daemon=True)
@@ -587,6 +590,12 @@ class QueuedWriter:
     def file(self) -> RotatingFileWriter:
         """The file the writer thread writes (its counters lag what was handed over: read them here)."""
         return self._file
+
+    @property
+    def missed_syncs(self) -> int:
+        """Sync points the writer thread did not reach within their wait: a stalled file, or on a loaded
+        machine a writer thread kept from the GIL for 0.1 s (what it then held back is written later, in order)."""
+        return self._missed
 
     @property
     def stalled(self) -> bool:
@@ -695,6 +704,7 @@ class QueuedWriter:
         self._put(command)
         if self._wait(command, timeout_s, stuck_s):
             return True
+        self._missed += 1
         if not self._closed and not self._forked and not self._stalled_since:
             self._stalled_since = self._stuck_since() or started
             self._limit = -1  # every write takes the slow path until the writer has caught up

@@ -72,8 +72,11 @@ save, mode, steps, fault_step, offset, step_at = sys.argv[1], sys.argv[2], int(s
 clock_file = os.environ["FAKETIME_TIMESTAMP_FILE"]
 
 def step_clock():
-    with open(clock_file, "w") as f:
+    # One rename: libfaketime re-reads the file at every call, and a truncated-then-written file read in
+    # between (an empty offset) stepped the clock back and forth (seen under load).
+    with open(clock_file + ".new", "w") as f:
         f.write(offset + "\n")
+    os.replace(clock_file + ".new", clock_file)
 
 ot.init(save_path=save, enabled=True)
 dist.init_process_group("gloo")

@@ -26,6 +26,12 @@ from otel_train.analysis.spans import load_run
 
 CLI = Path(sys.executable).with_name("otel-train")
 STEPS = 12
+A_MS, B_MS = 2.0, 20.0
+"""Each phase's sleep in job a and in job b: a rank of the other job would be a straggler by 18 ms."""
+CROSS_RUN_MS = (B_MS - A_MS) / 2
+"""A straggler finding this large could only come from the other job's ranks (before: B's named of A).
+Within one run, a loaded machine (load 10 on two cores, ``make faults``) can make one rank the
+slower in most steps by a few ms, which the straggler rule rightly names."""
 
 JOB = r"""
 import os, sys, time
@@ -58,9 +64,9 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("two_runs")
     script, save = root / "job.py", root / "run"
     script.write_text(JOB)
-    job_a = _launch(script, save, "job-a", 2.0)
+    job_a = _launch(script, save, "job-a", A_MS)
     time.sleep(1.0)  # job b starts later, and is slower: its ranks would be "stragglers" of job a
-    job_b = _launch(script, save, "job-b", 6.0)
+    job_b = _launch(script, save, "job-b", B_MS)
     for proc in job_a + job_b:
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-2000:]
@@ -69,6 +75,12 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=120)
+
+
+def _across_runs(findings: list[dict]) -> list[dict]:
+    """Findings only mixing the two runs would give: a restart, or a straggler by the jobs' gap."""
+    return [f for f in findings if f["kind"] == "restart"
+            or (f["kind"] == "straggler" and (f.get("excess_ms") or 0.0) >= CROSS_RUN_MS)]
 
 
 def _clean(done: subprocess.CompletedProcess) -> None:
@@ -81,7 +93,7 @@ COMMANDS = (("summarize", "--json"), ("summarize", "--fast", "--json"), ("stats"
 
 def test_each_command_analyses_one_run_and_says_which(shared: Path) -> None:
     holds = ("2 jobs (2 ranks each, different run ids) in one save_path: every command analyses the run "
-             "started last and says so on stderr; --run-id picks the other; no restart, straggler or lost "
+             "started last and says so on stderr; --run-id picks the other; no restart, no straggler by the jobs' gap, no lost "
              "goodput across runs; an unknown id exits 2 with one line; never a Python error")
     with reported("two runs in one save_path", holds, 1):
         for cmd in COMMANDS:
@@ -91,14 +103,14 @@ def test_each_command_analyses_one_run_and_says_which(shared: Path) -> None:
             assert f"run job-b (2 runs in {shared}; --run-id to pick another)" in done.stderr, (cmd, done.stderr)
         summary = json.loads(_cli("summarize", str(shared), "--json").stdout)
         assert [p["rank"] for p in summary["processes"]] == [0, 1]
-        assert not [f for f in summary["findings"] if f["kind"] in ("restart", "straggler")], summary["findings"]
+        assert not _across_runs(summary["findings"]), summary["findings"]
         assert summary["goodput"]["lost_s"] == 0.0 and summary["goodput"]["restart_s"] == 0.0
         pids = {p["pid"] for p in summary["processes"]}
         picked = _cli("summarize", str(shared), "--json", "--run-id", "job-a")
         assert picked.returncode == 0 and "run job-a (2 runs in" in picked.stderr, picked.stderr
         other = json.loads(picked.stdout)
         assert len(other["processes"]) == 2 and not pids & {p["pid"] for p in other["processes"]}
-        assert not [f for f in other["findings"] if f["kind"] in ("restart", "straggler")], other["findings"]
+        assert not _across_runs(other["findings"]), other["findings"]
         for cmd in (("stats",), ("whatif",), ("diff", str(shared)), ("export", "-o", str(shared.parent / "t.json"))):
             done = _cli(cmd[0], str(shared), *cmd[1:], "--run-id", "job-a")
             _clean(done)
@@ -109,7 +121,7 @@ def test_each_command_analyses_one_run_and_says_which(shared: Path) -> None:
         live = LiveRun(shared, warn=lambda _: None)
         live.poll()
         assert sorted(s.state.run_id for s in live.procs.values()) == ["job-b", "job-b"]
-        assert not [f for f in live.raised if f["kind"] in ("restart", "straggler")], live.raised
+        assert not _across_runs(live.raised), live.raised
         live.close()
 
 
