@@ -26,6 +26,8 @@ from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
 from otel_train.sketch import GAMMA
 
 DIGEST_VERSION = 1
+FINAL_WAIT_S = 3.0
+"""Shutdown's digest waits at most this long for the writer thread to write what is queued (as ``close``)."""
 
 _encode = msgspec.json.Encoder().encode
 
@@ -45,12 +47,14 @@ class DigestWriter:
         if now - self._last >= self._every_s and sink.records_written != self._last_seq:
             self.write(sink, sketch)
 
-    def write(self, sink: JsonlSpanProcessor, sketch: Any) -> None:
+    def write(self, sink: JsonlSpanProcessor, sketch: Any, final: bool = False) -> None:
         """Write the digest now, with ``sketch.snapshot()`` as its phases (never raises: a failure is
-        reported once and counted)."""
+        reported once and counted). ``final`` (shutdown): wait for the writer thread as ``close`` does,
+        not the hot path's ``STALL_S``: a busy machine may have a megabyte queued, and the last digest
+        is the one every reader of a finished run uses."""
         self._last = time.monotonic()
         try:
-            point = sink.digest_point()
+            point = sink.digest_point(writer_wait_s=FINAL_WAIT_S if final else None)
             if point is None:
                 return
             seq, (ino, size), entries = point

@@ -192,3 +192,40 @@ def test_the_shutdown_digest_leaves_out_spans_ended_as_incomplete(tmp_path: Path
     assert quick["digests"] == 1
     assert [(r["name"], r["count"]) for r in quick["phases"]] == [(r["name"], r["count"]) for r in full["phases"]] == [
         ("forward", 3)]
+
+
+SLOW_AT_THE_END = r"""
+import os, sys, time
+import otel_train as ot
+from otel_train.exporters.jsonl import writer as writer_module
+
+real_write, slow = os.write, []
+
+def write(fd, data):
+    if slow and slow.pop():
+        time.sleep(0.5)  # one write that takes half a second (an NFS hiccup) just as the job ends
+    return real_write(fd, data)
+
+writer_module.os.write = write
+ot.init(save_path=sys.argv[1], enabled=True, run_id="digest-slow", digest_s=3600)
+for _ in range(200):
+    with ot.log_trace_span("forward"):
+        pass
+slow.append(True)
+with ot.log_trace_span("forward"):  # queued: the writer thread takes it in its turn, slowly
+    pass
+ot.shutdown()
+"""
+
+
+def test_the_shutdown_digest_waits_for_a_slow_writer(tmp_path: Path) -> None:
+    # CI: under load the writer had a backlog at shutdown longer than the hot path's 0.1 s wait, and the
+    # run ended with no digest at all. Shutdown waits for the writer as close does.
+    proc = subprocess.run([sys.executable, "-c", SLOW_AT_THE_END, str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+    assert proc.returncode == 0, proc.stderr
+    (digest,) = (tmp_path / schema.DIGESTS_DIR).glob(f"*{schema.DIGEST_SUFFIX}")
+    body = json.loads(digest.read_text())
+    assert body["phases"]["forward"]["count"] == 201, body["phases"]
+    quick = summarize_fast(tmp_path, warn=pytest.fail)
+    assert quick["digests"] == 1 and [(r["name"], r["count"]) for r in quick["phases"]] == [("forward", 201)]

@@ -192,15 +192,18 @@ class JsonlSpanProcessor(SpanProcessor):
         """Every open span's (span, body, step context, native thread id), in start order (one dict copy, no lock)."""
         return list(self._open.copy().values())
 
-    def digest_point(self, wait_s: float = RUNTIME_LOCK_WAIT_S) -> tuple[int, tuple[int, int], list[OpenEntry]] | None:
+    def digest_point(self, wait_s: float = RUNTIME_LOCK_WAIT_S,
+                     writer_wait_s: float | None = None) -> tuple[int, tuple[int, int], list[OpenEntry]] | None:
         """(seq, the file's (inode, size), the open spans) at one instant, for a digest: taken under the
         write lock (waiting at most ``wait_s``), so the open spans are exactly those the file shows open
         at that size (a QueuedWriter gives the size once the records up to ``seq`` are written, waiting at
-        most its ``STALL_S``). None without a file, or while the writer is stalled."""
+        most ``writer_wait_s``, by default its ``STALL_S``). None without a file, or while the writer is stalled."""
         if not self._lock.acquire(timeout=wait_s):
             raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
         try:
-            position = self._writer.position() if self._writer is not None and not self._closed else None
+            writer = self._writer if not self._closed else None
+            position = None if writer is None else writer.position() if writer_wait_s is None else \
+                writer.position(writer_wait_s)
             return None if position is None else (self._seq, position, list(self._open.values()))
         finally:
             self._lock.release()

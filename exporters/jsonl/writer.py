@@ -216,8 +216,9 @@ class RotatingFileWriter:
         """Bytes of records that did not reach the file whole."""
         return self._dropped_bytes
 
-    def position(self) -> tuple[int, int] | None:
+    def position(self, timeout_s: float = 0.0) -> tuple[int, int] | None:
         """(inode, size) of the active file, or None while there is none (closed, or failed and not reopened).
+        ``timeout_s`` is QueuedWriter's: this writer writes in the caller's thread, so nothing is waited for.
 
         A reader finds where a digest was taken by the inode: rotation renames the file, keeping it.
         """
@@ -634,13 +635,14 @@ class QueuedWriter:
             return False
         return self._sync(_Command(_nothing), timeout_s, STALL_REPORT_S)
 
-    def position(self) -> tuple[int, int] | None:
+    def position(self, timeout_s: float = STALL_S) -> tuple[int, int] | None:
         """(inode, size) of the active file once everything handed over so far is written, or None (no file,
-        stalled, closed). The writer thread takes it in its turn; the caller waits as at a sync point."""
+        stalled, closed, or not written within ``timeout_s``). The writer thread takes it in its turn; the
+        caller waits as at a sync point (shutdown's final digest waits longer: up to 1 MB may be queued)."""
         if self._closed or self._stalled_since:
             return None
         command = _Command(RotatingFileWriter.position)
-        return command.result if self._sync(command, STALL_S, STALL_S) else None
+        return command.result if self._sync(command, timeout_s, max(STALL_S, min(timeout_s, STALL_REPORT_S))) else None
 
     def check_now(self) -> tuple[int, int] | None:
         """A sync point without a line (shutdown calls it): check the file, waiting as ``flush`` does;
