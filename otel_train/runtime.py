@@ -49,6 +49,7 @@ from otel_train.digest import DigestWriter
 from otel_train.watchdog import Watchdog
 
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
+SHUTDOWN_FILE_FLOOR_S = 1.0  # what shutdown leaves the trace file's last records after the exporters, at least
 SIGTERM_RETRY_S = 0.005
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 SIGTERM_MAX_DEFERRALS = 200  # about a second; a record is never that long now (a hung mount holds the writer
@@ -440,7 +441,8 @@ def _start_watchdog(rt: _Runtime) -> None:
 
 
 def shutdown(timeout_s: float = 5.0) -> None:
-    """End still-open spans as incomplete, flush and close everything; returns within ``timeout_s``."""
+    """End still-open spans as incomplete, flush and close everything; returns within ``timeout_s`` (or
+    ``SHUTDOWN_FILE_FLOOR_S`` after the exporters, when they took it all: the trace file's last records)."""
     global _active
     deadline = time.monotonic() + max(0.0, timeout_s)
     rt = _active
@@ -467,6 +469,10 @@ def shutdown(timeout_s: float = 5.0) -> None:
             _report.report("spans dropped", f"{dropped} span(s) could not be exported (collector unreachable or "
                            "queue full); the JSONL file has them all")
         if jsonl is not None:
+            if rt.writer is not None:
+                # Everything left waits on the writer thread: bounded together, by the deadline (the
+                # exporters may have spent it: the file's last records get FILE_FLOOR_S still).
+                rt.writer.finish_by(max(deadline, time.monotonic() + SHUTDOWN_FILE_FLOOR_S))
             if rt.watchdog is not None:
                 _quietly(rt.watchdog.final_digest)
             _finish_file(jsonl, rt.writer, incomplete, dropped)

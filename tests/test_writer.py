@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -482,3 +483,69 @@ def test_a_fork_child_never_writes_or_waits_through_the_parents_writer(tmp_path:
     assert w.write(record(2)) and w.flush()
     assert seqs(path.read_bytes()) == [0, 2]
     w.close()
+
+
+def test_a_rotation_renames_only_the_segments_that_exist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # backup_count=1000 made every rotation 1000 renames; on a loaded machine a SIGTERM's shutdown then
+    # waited on a writer thread that was still renaming segments that never existed.
+    from otel_train.exporters.jsonl import writer as writer_module
+
+    renames: list[tuple[str, str]] = []
+    real_replace = os.replace
+    monkeypatch.setattr(writer_module.os, "replace", lambda a, b: (renames.append((a, b)), real_replace(a, b))[1])
+    path = tmp_path / "t.jsonl"
+    (tmp_path / "t.jsonl.3").write_bytes(record(-1))  # an earlier writer's oldest segment
+    w = RotatingFileWriter(path, max_bytes=300, backup_count=1000)
+    for i in range(40):
+        w.write(record(i, pad=100))
+    w.close()
+    rotations = sum(1 for _, dst in renames if dst == f"{path}.1")
+    assert rotations >= 10
+    # the k-th rotation (from 0) renames 3 + k + 1 names (the earlier segment .3 counted from the start), not 1000
+    assert len(renames) == sum(3 + k + 1 for k in range(rotations))
+    kept = sorted(int(p.name.rsplit(".", 1)[1]) for p in tmp_path.glob("t.jsonl.*"))
+    assert kept == [*range(1, rotations + 1), rotations + 3]  # nothing lost: every segment, the old one moved up
+    assert seqs((tmp_path / f"t.jsonl.{rotations + 3}").read_bytes()) == [-1]
+    written = [s for n in range(rotations, 0, -1) for s in seqs((tmp_path / f"t.jsonl.{n}").read_bytes())]
+    assert written + seqs(path.read_bytes()) == list(range(40))
+
+
+SLOW_DISK_AT_SHUTDOWN = r"""
+import os, sys, time
+import otel_train as ot
+from otel_train.exporters.jsonl import writer as writer_module
+
+real_write, slow = os.write, []
+
+def write(fd, data):
+    if slow:
+        time.sleep(0.3)  # a slow disk: every write returns, each after 0.3 s (never stuck: progress)
+    return real_write(fd, data)
+
+writer_module.os.write = write
+ot.init(save_path=sys.argv[1], enabled=True, run_id="slow-disk", digest_s=0)
+with ot.log_trace_span("warm"):
+    pass
+slow.append(True)
+for i in range(40 * writer_module.BATCH_LINES):  # about 40 batches of 0.3 s each queued for the writer
+    ot.log_trace_instant("tick", i=i)
+t0 = time.monotonic()
+ot.shutdown(1.0)
+print(f"{time.monotonic() - t0:.3f}", flush=True)
+"""
+
+
+def test_shutdown_keeps_its_deadline_with_a_slow_disk(tmp_path: Path) -> None:
+    # Each wait on the writer is bounded, but shutdown reads five counters and closes: a writer that is
+    # slow yet making progress made each take its whole 3 s (a SIGTERM'd process lived 15 s and more).
+    proc = subprocess.run([sys.executable, "-c", SLOW_DISK_AT_SHUTDOWN, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+    assert proc.returncode == 0, proc.stderr
+    elapsed = float(proc.stdout.split()[-1])
+    from otel_train.runtime import SHUTDOWN_FILE_FLOOR_S
+
+    assert elapsed < 1.0 + SHUTDOWN_FILE_FLOOR_S + 2.5, elapsed  # before: 12 s (until the writer caught up)
+    assert re.search(r"\d+ record\(s\) of this process are not in its trace file", proc.stderr), proc.stderr
+    (trace,) = (tmp_path / "structured_logs").glob("*.jsonl")
+    data = trace.read_bytes()
+    assert data.endswith(b"\n") and all(json.loads(line) for line in data.splitlines())  # whole lines, in order

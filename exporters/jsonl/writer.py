@@ -135,6 +135,7 @@ class RotatingFileWriter:
         "_fsync",
         "_file_mode",
         "_shifts",
+        "_segments",
         "_segment_lines",
         "_fd",
         "_size",
@@ -177,6 +178,9 @@ class RotatingFileWriter:
         names = [self._path] + [f"{self._path}.{i}" for i in range(1, backup_count + 1)]
         self._shifts = [(names[i - 1], names[i]) for i in range(backup_count, 0, -1)]
         self._segment_lines = [0] * backup_count  # records in path.1 … path.N, for counting losses
+        # The highest segment that may exist: a rotation renames only those (one rename each, not one per
+        # backup_count: 1000 backups made every rotation 1000 system calls, a loaded writer thread seconds).
+        self._segments = _highest_segment(self._path, backup_count)
         self._fd = -1
         self._size = 0
         self._lines = 0  # records written to the open file
@@ -432,7 +436,8 @@ class RotatingFileWriter:
         else:
             self._segment_lines = [self._lines, *self._segment_lines[:-1]]
             self._discard_fd()
-            for src, dst in self._shifts:
+            self._segments = min(self._segments + 1, self._backup_count)
+            for src, dst in self._shifts[len(self._shifts) - self._segments:]:
                 try:
                     os.replace(src, dst)
                 except FileNotFoundError:
@@ -516,6 +521,18 @@ def _close_file(file: RotatingFileWriter) -> None:
     file.close()
 
 
+def _highest_segment(path: str, backup_count: int) -> int:
+    """The highest N <= ``backup_count`` for which ``path.N`` exists (an earlier writer's segments); 0 if none."""
+    folder, base = os.path.split(path)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return backup_count  # unknown: every rotation renames all, as before
+    found = [int(suffix) for name in names if name.startswith(base + ".")
+             and (suffix := name[len(base) + 1:]).isdigit()]
+    return min(max(found, default=0), backup_count)
+
+
 class QueuedWriter:
     """A :class:`RotatingFileWriter` written by a thread of its own, so no caller ever waits on a stalled file.
 
@@ -540,7 +557,7 @@ class QueuedWriter:
     __slots__ = (
         "_file", "_queue", "_put", "_thread", "_pos", "_done", "_limit", "_busy_since", "_current",
         "_stalled_since", "_stall_reported", "_stall_dropped", "_stall_dropped_bytes", "_dropped",
-        "_dropped_bytes_own", "_losses", "_notices", "_closed", "_forked", "_missed", "on_loss", "on_notice",
+        "_dropped_bytes_own", "_losses", "_notices", "_closed", "_forked", "_missed", "_deadline", "on_loss", "on_notice",
         "__weakref__",
     )
 
@@ -564,6 +581,7 @@ class QueuedWriter:
         self._notices: deque[dict[str, Any]] = deque()  # ended stalls, not yet announced
         self._closed = self._forked = False
         self._missed = 0  # sync points whose wait ended before the writer got there
+        self._deadline = 0.0  # monotonic; no wait goes past it (shutdown's bound); 0.0: none
         self.on_loss: Callable[[int, int, str], None] | None = None
         self.on_notice: Callable[[dict[str, Any]], None] | None = None
         self._thread = threading.Thread(target=self._run, name="otel_train.writer", daemon=True)
@@ -626,6 +644,13 @@ class QueuedWriter:
     @property
     def lost_bytes(self) -> int:
         return self._settled().lost_bytes
+
+    def finish_by(self, deadline: float) -> None:
+        """From now on no wait here (a sync point, ``flush``, a counter, ``position``, ``close``) lasts past
+        ``deadline`` (``time.monotonic()``): shutdown's bound. Each wait alone is bounded, but shutdown reads
+        several counters and a writer that is slow yet making progress (a loaded machine, a slow disk)
+        would take the whole wait each time. What is not written by then counts as dropped, at ``close``."""
+        self._deadline = deadline
 
     def flush(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """Wait until the writer thread has done everything handed over so far: True. False at once when
@@ -716,6 +741,8 @@ class QueuedWriter:
         """Wait until the writer thread has done ``command``: True. False after ``timeout_s``, as soon as one
         batch or command has been in progress for ``stuck_s``, or when the thread is gone (a fork child)."""
         start = time.monotonic()
+        if self._deadline:
+            timeout_s = min(timeout_s, self._deadline - start)
         while not command.done:
             now = time.monotonic()
             busy = self._stuck_since()

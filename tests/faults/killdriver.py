@@ -102,7 +102,8 @@ def trial(sig: int, run: Path, rng: random.Random, sdk: bool) -> dict[str, objec
             break
         time.sleep(0.01)
     else:
-        os.kill(pid, signal.SIGKILL)  # hung: the test fails on "hung"
+        status = None  # the last look said "still running" (0): hung, whatever it then dies of
+        os.kill(pid, signal.SIGKILL)  # the test fails on "hung"
         os.waitpid(pid, 0)
     return {
         "run": str(run), "sdk": sdk, "ready": bool(ready), "delay": round(delay, 3),
