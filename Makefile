@@ -26,7 +26,7 @@ install: $(STAMP)
 # each "host" of tests/test_clock_torchrun.py a clock of its own. One apt-get for whichever is missing
 # (two at once would fight over dpkg's lock when make runs them side by side).
 CHROMIUM_OK := command -v chromium >/dev/null 2>&1
-FAKETIME_OK := test -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1
+FAKETIME_OK := test -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1
 system-tools:
 	@missing=""; $(CHROMIUM_OK) || missing="$$missing chromium"; $(FAKETIME_OK) || missing="$$missing faketime"; \
 	if [ -n "$$missing" ]; then \

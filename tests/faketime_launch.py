@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 
 

@@ -23,7 +23,7 @@ from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize
 
 LAUNCH = Path(__file__).resolve().parent / "faketime_launch.py"
-LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
 CLI = Path(sys.executable).with_name("otel-train")
 FAKE = {"CLOCK_FAKE_A": "+5s", "CLOCK_FAKE_B": "-5s x1.0001"}
 HONEST = {"CLOCK_FAKE_A": "", "CLOCK_FAKE_B": ""}

@@ -39,7 +39,9 @@ from otel_train.analysis.live import LiveRun
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize
 
-LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+"""The synchronized build: the plain one's parse of the clock file races between threads (a +60 s step
+was seen as +60, -60, +60 by a rank under load; docs/clock.md, "Clock steps")."""
 MAX_TRIALS = 20
 WATCH_S = 40
 """watch's --timeout, started once rank 1 is in its endless data_fetch: the hang is named within seconds
