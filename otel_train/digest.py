@@ -23,11 +23,10 @@ from otel_train import _modes, _report
 from otel_train._clock import now_ns
 from otel_train import schema as S
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
+from otel_train.exporters.jsonl.writer import CLOSE_TIMEOUT_S
 from otel_train.sketch import GAMMA
 
 DIGEST_VERSION = 1
-FINAL_WAIT_S = 3.0
-"""Shutdown's digest waits at most this long for the writer thread to write what is queued (as ``close``)."""
 
 _encode = msgspec.json.Encoder().encode
 
@@ -54,7 +53,7 @@ class DigestWriter:
         is the one every reader of a finished run uses."""
         self._last = time.monotonic()
         try:
-            point = sink.digest_point(writer_wait_s=FINAL_WAIT_S if final else None)
+            point = sink.digest_point(writer_wait_s=CLOSE_TIMEOUT_S if final else None)
             if point is None:
                 return
             seq, (ino, size), entries = point

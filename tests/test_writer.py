@@ -538,8 +538,9 @@ print(f"{time.monotonic() - t0:.3f}", flush=True)
 def test_shutdown_keeps_its_deadline_with_a_slow_disk(tmp_path: Path) -> None:
     # Each wait on the writer is bounded, but shutdown reads five counters and closes: a writer that is
     # slow yet making progress made each take its whole 3 s (a SIGTERM'd process lived 15 s and more).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     proc = subprocess.run([sys.executable, "-c", SLOW_DISK_AT_SHUTDOWN, str(tmp_path)], capture_output=True,
-                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
+                          text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     elapsed = float(proc.stdout.split()[-1])
     from otel_train.runtime import SHUTDOWN_FILE_FLOOR_S

@@ -201,9 +201,7 @@ class JsonlSpanProcessor(SpanProcessor):
         if not self._lock.acquire(timeout=wait_s):
             raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
         try:
-            writer = self._writer if not self._closed else None
-            position = None if writer is None else writer.position() if writer_wait_s is None else \
-                writer.position(writer_wait_s)
+            position = self._writer.position(writer_wait_s) if self._writer is not None and not self._closed else None
             return None if position is None else (self._seq, position, list(self._open.values()))
         finally:
             self._lock.release()

@@ -220,7 +220,7 @@ class RotatingFileWriter:
         """Bytes of records that did not reach the file whole."""
         return self._dropped_bytes
 
-    def position(self, timeout_s: float = 0.0) -> tuple[int, int] | None:
+    def position(self, timeout_s: float | None = None) -> tuple[int, int] | None:
         """(inode, size) of the active file, or None while there is none (closed, or failed and not reopened).
         ``timeout_s`` is QueuedWriter's: this writer writes in the caller's thread, so nothing is waited for.
 
@@ -557,8 +557,8 @@ class QueuedWriter:
     __slots__ = (
         "_file", "_queue", "_put", "_thread", "_pos", "_done", "_limit", "_busy_since", "_current",
         "_stalled_since", "_stall_reported", "_stall_dropped", "_stall_dropped_bytes", "_dropped",
-        "_dropped_bytes_own", "_losses", "_notices", "_closed", "_forked", "_missed", "_deadline", "on_loss", "on_notice",
-        "__weakref__",
+        "_dropped_bytes_own", "_losses", "_notices", "_closed", "_forked", "_missed", "_deadline", "on_loss",
+        "on_notice", "__weakref__",
     )
 
     def __init__(self, file: RotatingFileWriter) -> None:
@@ -660,14 +660,16 @@ class QueuedWriter:
             return False
         return self._sync(_Command(_nothing), timeout_s, STALL_REPORT_S)
 
-    def position(self, timeout_s: float = STALL_S) -> tuple[int, int] | None:
+    def position(self, timeout_s: float | None = None) -> tuple[int, int] | None:
         """(inode, size) of the active file once everything handed over so far is written, or None (no file,
-        stalled, closed, or not written within ``timeout_s``). The writer thread takes it in its turn; the
-        caller waits as at a sync point (shutdown's final digest waits longer: up to 1 MB may be queued)."""
+        stalled, closed, or not written within ``timeout_s``, by default ``STALL_S``). The writer thread takes
+        it in its turn; the caller waits as at a sync point (shutdown's final digest waits longer: up to
+        1 MB may be queued)."""
         if self._closed or self._stalled_since:
             return None
+        wait = STALL_S if timeout_s is None else timeout_s
         command = _Command(RotatingFileWriter.position)
-        return command.result if self._sync(command, timeout_s, max(STALL_S, min(timeout_s, STALL_REPORT_S))) else None
+        return command.result if self._sync(command, wait, max(STALL_S, min(wait, STALL_REPORT_S))) else None
 
     def check_now(self) -> tuple[int, int] | None:
         """A sync point without a line (shutdown calls it): check the file, waiting as ``flush`` does;
