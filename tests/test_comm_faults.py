@@ -53,20 +53,42 @@ def launch(script: str, save: Path, ranks: int, *args: str, **extra: str) -> sub
 
 
 def stop(proc: subprocess.Popen[bytes], save: Path, wait_s: float = 0.0) -> None:
-    """Wait up to ``wait_s`` for the job to end by itself, then kill it and every rank of it."""
+    """Wait up to ``wait_s`` for the job to end by itself, then kill it and every rank of it.
+
+    Every rank is stopped (SIGSTOP) before any is killed: killed one after another (or by the launcher's
+    death), a waiting rank saw its peer's connection close, failed with gloo's error and wrote its end
+    before its own kill came, and a hang read as a crash (seen once in a fresh-clone run)."""
     try:
         proc.wait(wait_s)
     except subprocess.TimeoutExpired:
         pass
+    ranks = _ranks(save)  # torchrun starts ranks in sessions of their own
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in ranks:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    for entry in Path("/proc").iterdir():  # torchrun starts ranks in sessions of their own
+    for pid in _ranks(save):  # any the launcher started meanwhile
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _ranks(save: Path) -> list[int]:
+    """The processes whose command line names this run directory."""
+    pids = []
+    for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and str(save).encode() in (entry / "cmdline").read_bytes().split(b"\0"):
-                os.kill(int(entry.name), signal.SIGKILL)
+                pids.append(int(entry.name))
         except (OSError, ValueError):
             pass
+    return [pid for pid in pids if pid != os.getpid()]
 
 
 def watch_until(save: Path, kinds: str, timeout_s: float = 120.0) -> list[dict[str, Any]]:
