@@ -63,18 +63,18 @@ def stop(proc: subprocess.Popen[bytes], save: Path, wait_s: float = 0.0) -> None
     except subprocess.TimeoutExpired:
         pass
     ranks = _ranks(save)  # torchrun starts ranks in sessions of their own
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in ranks:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
+    _signal(ranks, signal.SIGSTOP)
+    _signal(ranks, signal.SIGKILL)
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    for pid in _ranks(save):  # any the launcher started meanwhile
+    _signal(_ranks(save), signal.SIGKILL)  # any the launcher started meanwhile
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
         except OSError:
             pass
 
