@@ -164,11 +164,13 @@ def test_golden_multi_process_hang_and_straggler_with_real_collectives(tmp_path:
     assert all(r == 1 for _, r, _, _ in kinds), "rank 0 only waited: it is no culprit"
     by_rank = {p["rank"]: p for p in summary["processes"]}
     assert by_rank[1]["open_spans"] == ["step", DATA_FETCH] and by_rank[1]["ended_cleanly"]
-    # Rank 0 was blocked in backward's all-reduce: gloo failed it when rank 1 went away (a victim's
-    # error after the culprit stopped, so no finding), or it sat there until SIGKILL (its comm.all_reduce
-    # span open too when the recorder had written its start).
+    # Rank 0 was blocked in backward's all-reduce (its comm.all_reduce span open too once the recorder
+    # had written its start). Either it sat there until SIGKILL, or gloo failed it when rank 1 went away
+    # (a victim's error after the culprit stopped, so no finding) and the error closed its spans from the
+    # inside out, as far as it got before the SIGKILL: whatever is still open is a prefix of that stack.
     assert by_rank[0]["final_step"] == 13
-    assert by_rank[0]["open_spans"] in ([], ["step", BACKWARD], ["step", BACKWARD, "comm.all_reduce"])
+    stack = ["step", BACKWARD, "comm.all_reduce"]
+    assert by_rank[0]["open_spans"] in [stack[:n] for n in range(len(stack) + 1)]
 
 
 def test_binomial_tail_matches_exact_sums() -> None:
