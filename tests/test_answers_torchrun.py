@@ -15,10 +15,14 @@ load: the runs then meet different machines (see ``calm``); everything within on
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,8 +39,12 @@ SLOW_RANK, SLOW_MS = 1, 30.0
 MAX_LOAD_PER_CPU = 3.0
 """Above this load (1-minute average per CPU, before the runs start) clean runs meet different machines."""
 STEADY = ("--hidden", "128", "--batch-size", "32", "--steps", "40", "--eval-every", "0", "--checkpoint-every", "0",
-          "--gpu-wait-ms", "50")
-SMALL = ("--hidden", "128", "--batch-size", "32", "--steps", "60", "--eval-every", "0", "--checkpoint-every", "0")
+          "--gpu-wait-ms", "50", "--cpu-wait")
+SMALL = ("--hidden", "128", "--batch-size", "32", "--steps", "60", "--eval-every", "0", "--checkpoint-every", "0",
+         "--cpu-wait")
+STARVED_SHARE = 0.5
+"""A straggler under CPU contention is the machine's doing when the kernel kept it waiting for a CPU, at the
+median step, longer than its peers by at least this share of how late it arrived."""
 
 
 def torchrun(save_path: Path, *args: str, extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
@@ -147,11 +155,43 @@ def test_clean_against_clean_raises_nothing_large(runs: dict[str, Path]) -> None
     assert all(abs(f["delta_ms"]) < CLEAN_TOLERANCE_MS for f in out["findings"]), out["findings"]
 
 
+def cpu_waits(run: Path) -> dict[int, dict[int, float]]:
+    """Each rank's wait for a CPU per step (ms), from the example's ``cpu_wait_ms`` scalars."""
+    waits: dict[int, dict[int, float]] = {}
+    for file in (run / "structured_logs").glob("*.jsonl"):
+        for line in file.read_text().splitlines():
+            if '"cpu_wait_ms"' in line:
+                record = json.loads(line)
+                waits.setdefault(record["rank"], {})[record["step"]] = record["values"]["cpu_wait_ms"]
+    return waits
+
+
+def starved_by(waits: dict[int, dict[int, float]], rank: int) -> float:
+    """How much longer than its peers' median ``rank`` waited for a CPU at the median step (NaN: unknown)."""
+    peers = [p for p in waits if p != rank]
+    if rank not in waits or not peers:
+        return math.nan
+    excess = [w - statistics.median(waits[p][step] for p in peers)
+              for step, w in waits[rank].items() if all(step in waits[p] for p in peers)]
+    return statistics.median(excess) if excess else math.nan
+
+
+def late_ms(finding: dict[str, Any]) -> float:
+    """How late a straggler arrived at the median collective (inf when it was named by durations alone)."""
+    return finding.get("gap_ms") or (finding.get("arrival") or {}).get("gap_ms") or math.inf
+
+
 def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path]) -> None:
-    # Two jobs and a busy loop on two cores: every rank is descheduled now and then, none consistently.
+    # Two jobs and a busy loop on two cores: every rank is descheduled now and then. When the scheduler
+    # keeps one rank beside the busy loop for the whole run, that rank is a real straggler, as a rank on a
+    # host with a noisy neighbour is: it is named only with the kernel's word (its schedstat run delay)
+    # that it waited for a CPU, step after step, about as long as it was late.
     for name in ("busy_a", "busy_b", *(("clean", "clean_2") if calm(runs) else ())):
-        found = summarize(runs[name], warn=pytest.fail)["findings"]
-        assert [f for f in found if f["kind"] == "straggler"] == [], (name, found)
+        found = [f for f in summarize(runs[name], warn=pytest.fail)["findings"] if f["kind"] == "straggler"]
+        waits = cpu_waits(runs[name])
+        unexplained = [(f["rank"], f["message"], starved_by(waits, f["rank"])) for f in found
+                       if not starved_by(waits, f["rank"]) >= STARVED_SHARE * late_ms(f)]
+        assert unexplained == [], (name, unexplained)
 
 
 @pytest.fixture(scope="module")
