@@ -189,8 +189,8 @@ def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path]) 
     for name in ("busy_a", "busy_b", *(("clean", "clean_2") if calm(runs) else ())):
         found = [f for f in summarize(runs[name], warn=pytest.fail)["findings"] if f["kind"] == "straggler"]
         waits = cpu_waits(runs[name])
-        unexplained = [(f["rank"], f["message"], starved_by(waits, f["rank"])) for f in found
-                       if not starved_by(waits, f["rank"]) >= STARVED_SHARE * late_ms(f)]
+        judged = [(f, starved_by(waits, f["rank"])) for f in found]
+        unexplained = [(f["rank"], f["message"], w) for f, w in judged if not w >= STARVED_SHARE * late_ms(f)]
         assert unexplained == [], (name, unexplained)
 
 
