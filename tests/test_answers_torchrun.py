@@ -15,7 +15,6 @@ load: the runs then meet different machines (see ``calm``); everything within on
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ReadRecords
 
 from otel_train.analysis.diff import diff_runs
 from otel_train.analysis.spans import load_run
@@ -155,14 +155,12 @@ def test_clean_against_clean_raises_nothing_large(runs: dict[str, Path]) -> None
     assert all(abs(f["delta_ms"]) < CLEAN_TOLERANCE_MS for f in out["findings"]), out["findings"]
 
 
-def cpu_waits(run: Path) -> dict[int, dict[int, float]]:
+def cpu_waits(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
     """Each rank's wait for a CPU per step (ms), from the example's ``cpu_wait_ms`` scalars."""
     waits: dict[int, dict[int, float]] = {}
-    for file in (run / "structured_logs").glob("*.jsonl"):
-        for line in file.read_text().splitlines():
-            if '"cpu_wait_ms"' in line:
-                record = json.loads(line)
-                waits.setdefault(record["rank"], {})[record["step"]] = record["values"]["cpu_wait_ms"]
+    for r in records:
+        if r.get("kind") == "scalar" and "cpu_wait_ms" in (r.get("values") or {}):
+            waits.setdefault(r["rank"], {})[r["step"]] = r["values"]["cpu_wait_ms"]
     return waits
 
 
@@ -181,14 +179,14 @@ def late_ms(finding: dict[str, Any]) -> float:
     return finding.get("gap_ms") or (finding.get("arrival") or {}).get("gap_ms") or math.inf
 
 
-def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path]) -> None:
+def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path], read_records: ReadRecords) -> None:
     # Two jobs and a busy loop on two cores: every rank is descheduled now and then. When the scheduler
     # keeps one rank beside the busy loop for the whole run, that rank is a real straggler, as a rank on a
     # host with a noisy neighbour is: it is named only with the kernel's word (its schedstat run delay)
     # that it waited for a CPU, step after step, about as long as it was late.
     for name in ("busy_a", "busy_b", *(("clean", "clean_2") if calm(runs) else ())):
         found = [f for f in summarize(runs[name], warn=pytest.fail)["findings"] if f["kind"] == "straggler"]
-        waits = cpu_waits(runs[name])
+        waits = cpu_waits(read_records(runs[name]))
         judged = [(f, starved_by(waits, f["rank"])) for f in found]
         unexplained = [(f["rank"], f["message"], w) for f, w in judged if not w >= STARVED_SHARE * late_ms(f)]
         assert unexplained == [], (name, unexplained)
