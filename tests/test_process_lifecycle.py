@@ -41,9 +41,18 @@ def wait_on_disk(save_path: Path, records: int) -> None:
     """Until ``records`` whole lines are in the trace files: the writer thread writes within milliseconds
     of a record being made, not before ``write`` returns (docs/runtime.md, "What a SIGKILL can lose")."""
     end = time.monotonic() + TIMEOUT
-    while sum(p.read_bytes().count(b"\n") for paths in trace_segments(save_path) for p in paths) < records:
+    while _lines_on_disk(save_path) < records:
         assert time.monotonic() < end, f"fewer than {records} records reached the trace files"
         time.sleep(0.01)
+
+
+def _lines_on_disk(save_path: Path) -> int:
+    """Whole lines in the trace files; 0 when the live writer rotated a segment away between the listing
+    and its read (a fresh-clone run saw ``.10`` renamed to ``.11`` there): the caller counts again."""
+    try:
+        return sum(p.read_bytes().count(b"\n") for paths in trace_segments(save_path) for p in paths)
+    except FileNotFoundError:
+        return 0
 
 
 def finish(child: subprocess.Popen[str]) -> tuple[str, str]:
