@@ -38,7 +38,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 SLOW_RANK, SLOW_MS = 1, 30.0
 MAX_LOAD_PER_CPU = 3.0
 """Above this load (1-minute average per CPU, before the runs start) clean runs meet different machines."""
-STEADY = ("--hidden", "128", "--batch-size", "32", "--steps", "40", "--eval-every", "0", "--checkpoint-every", "0",
+STEADY = ("--hidden", "128", "--batch-size", "32", "--steps", "80", "--eval-every", "0", "--checkpoint-every", "0",
           "--gpu-wait-ms", "50", "--cpu-wait")
 SMALL = ("--hidden", "128", "--batch-size", "32", "--steps", "60", "--eval-every", "0", "--checkpoint-every", "0",
          "--cpu-wait")
@@ -104,7 +104,7 @@ def test_whatif_names_the_straggler_and_its_cost(runs: dict[str, Path]) -> None:
     assert slow["step_ms"]["measured"] > clean["step_ms"]["measured"] + 0.6 * SLOW_MS, (clean, slow)
     assert slow["by_rank"][0]["rank"] == SLOW_RANK and slow["by_phase"][0]["phase"] == DATA_FETCH
     pair = slow["by_rank_phase"][0]
-    assert (pair["rank"], pair["phase"]) == (SLOW_RANK, DATA_FETCH) and slow["steps"] == 39
+    assert (pair["rank"], pair["phase"]) == (SLOW_RANK, DATA_FETCH) and slow["steps"] == 79
     # Within the run: its ideal (every rank and phase made typical) takes out most of the straggler's
     # 30 ms (comparing it with the clean run's ideal would compare two runs' machines: see calm()).
     assert slow["step_ms"]["ideal"] < slow["step_ms"]["measured"] - 0.6 * SLOW_MS, slow["step_ms"]
@@ -133,9 +133,14 @@ def test_summarize_names_the_straggler_with_its_cost(runs: dict[str, Path]) -> N
 
 
 def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
+    """A regression, or (when the straggler's time against its peer drifted so much over the run that
+    fewer than 5 independent blocks remain: seen once at 40 steps, tau 6.4 from a slower second
+    third) the same change listed as undecided. Never "no change"."""
     out = diff_runs(load_run(runs["clean"]), load_run(runs["straggler"]))
-    first = out["findings"][0]
-    assert (first["kind"], first["rank"], first["phase"]) == ("regression", SLOW_RANK, DATA_FETCH), out["findings"]
+    named = out["findings"] or [{"kind": "undecided", **u} for u in out["undecided"]]
+    first = named[0] if named else {"kind": None, "rank": None, "phase": None}
+    assert (first["kind"] in ("regression", "undecided") and (first["rank"], first["phase"]) == (SLOW_RANK, DATA_FETCH)
+            ), (out["findings"], out["undecided"])
     assert first["delta_ms"] == pytest.approx(SLOW_MS, rel=0.3)
     # Rank 0 now waits ~30 ms longer in backward's all-reduce: shown, but that waiting is no finding.
     waited = next(r for r in out["ranks"] if (r["rank"], r["phase"]) == (0, BACKWARD))

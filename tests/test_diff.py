@@ -181,3 +181,33 @@ def test_ten_percent_on_one_rank_under_autocorrelated_load_is_found_19_of_20(tmp
                         loaded_run(tmp_path / f"b{i}", 301 + 2 * i, slower, swing=0.02))
         found += kinds(out)[:1] == [("regression", 1, FORWARD)]
     assert found >= 19, found
+
+
+def _rank1_fetch_plus_30(rank: int, step: int, t: dict[str, float]) -> None:
+    if rank == 1:
+        t[DATA_FETCH] += 30.0
+
+
+def test_a_big_change_in_too_short_a_run_is_undecided_never_no_change(tmp_path: Path) -> None:
+    """20 steps give 4 blocks of 5 (fewer than MIN_BLOCKS): a +30 ms change cannot be judged
+    significant, and it is listed as undecided, with its blocks, in JSON and text."""
+    out = diff_runs(noisy_run(tmp_path / "a", 1, steps=range(20)),
+                    noisy_run(tmp_path / "b", 2, _rank1_fetch_plus_30, steps=range(20)))
+    assert out["findings"] == []
+    first = out["undecided"][0]
+    assert (first["rank"], first["phase"]) == (1, DATA_FETCH) and first["delta_ms"] == pytest.approx(30.0, rel=0.1)
+    assert first["blocks"] == [4, 4] and "not judged" in first["message"]
+    row = next(r for r in out["ranks"] if (r["rank"], r["phase"]) == (1, DATA_FETCH))
+    assert row["undecided"] and row["blocks"] == [4, 4] and row["p_value"] == 1.0
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    text = CliRunner().invoke(app, ["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--no-cache"])
+    assert text.exit_code == 0, text.output
+    assert "undecided: data_fetch on rank 1" in text.stdout and "could not be judged" in text.stdout
+
+
+def test_the_same_change_in_a_long_run_is_a_finding_and_nothing_is_undecided(tmp_path: Path) -> None:
+    out = diff_runs(noisy_run(tmp_path / "a", 1), noisy_run(tmp_path / "b", 2, _rank1_fetch_plus_30))
+    assert kinds(out)[:1] == [("regression", 1, DATA_FETCH)] and out["undecided"] == []

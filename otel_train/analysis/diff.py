@@ -15,7 +15,8 @@ comes and goes over many steps and moves every rank alike. So:
 * either series is cut into blocks of consecutive steps at least twice its integrated
   autocorrelation time long (:func:`block_medians`), and the Mann–Whitney test compares the blocks'
   medians: a slow minute of one run counts once, not once per step. Fewer than :data:`MIN_BLOCKS`
-  blocks on either side are never significant.
+  blocks on either side are never significant: a change big enough to matter is then
+  ``undecided`` (listed, never reported as no change).
 
 Culprits, not victims: time a rank spends in a collective phase (``backward``) or a ``comm.*`` op
 waiting for a late peer is not that phase's work, so collective phases and comm ops are judged on
@@ -42,6 +43,8 @@ from otel_train.analysis.whatif import SYNC_PHASES, sync_table
 
 REGRESSION = "regression"
 IMPROVEMENT = "improvement"
+UNDECIDED = "undecided"
+"""A change big enough to matter whose series had too few independent blocks to be judged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +96,12 @@ def block_medians(x: np.ndarray) -> np.ndarray:
     return np.array([np.median(x[lo:hi]) for lo, hi in zip(edges, edges[1:])])
 
 
-def _block_p(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sided Mann–Whitney p of the block medians of two series (1.0 with too few blocks)."""
+def _block_p(a: np.ndarray, b: np.ndarray) -> tuple[float, list[int]]:
+    """Two-sided Mann–Whitney p of the block medians of two series (1.0 with too few blocks), and how
+    many blocks each side had."""
     ba, bb = block_medians(a), block_medians(b)
-    return mann_whitney(ba, bb)[1] if min(ba.size, bb.size) >= MIN_BLOCKS else 1.0
+    p = mann_whitney(ba, bb)[1] if min(ba.size, bb.size) >= MIN_BLOCKS else 1.0
+    return p, [int(ba.size), int(bb.size)]
 
 
 def _per_step(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -226,17 +231,21 @@ def _verdict(a: np.ndarray, b: np.ndarray, ta: np.ndarray, tb: np.ndarray, th: T
     p_value, the medians (judged_ms) and their change (delta_ms), and whether that is a
     ``regression`` or an ``improvement``."""
     if not a.size or not b.size:
-        return {"p_value": math.nan, "delta_ms": math.nan, "judged_ms": [_p50(a), _p50(b)],
-                REGRESSION: False, IMPROVEMENT: False}
-    p = _block_p(ta, tb)
+        return {"p_value": math.nan, "delta_ms": math.nan, "judged_ms": [_p50(a), _p50(b)], "blocks": [0, 0],
+                REGRESSION: False, IMPROVEMENT: False, UNDECIDED: False}
+    p, blocks = _block_p(ta, tb)
     row = {"p_value": p, "delta_ms": float(np.median(b) - np.median(a)),
-           "judged_ms": [float(np.median(a)), float(np.median(b))]}
+           "judged_ms": [float(np.median(a)), float(np.median(b))], "blocks": blocks}
     # The tested series' own change must matter too, the same way: a rank's raw median can move with
     # the run's load while its time relative to its peers stays put.
     tested = _pct(float(np.median(ta)), float(np.median(tb))) if ta.size and tb.size else None
     agrees = tested is not None and abs(tested) >= th.min_pct and (tested > 0) == (row["delta_ms"] > 0)
-    found = p < th.max_p and _big(row, th) and agrees
-    return {**row, REGRESSION: found and row["delta_ms"] > 0, IMPROVEMENT: found and row["delta_ms"] < 0}
+    matters = _big(row, th) and agrees
+    found = p < th.max_p and matters
+    # Big enough to matter, but too few independent blocks to judge: said so, never "no change".
+    undecided = matters and not found and min(blocks) < MIN_BLOCKS
+    return {**row, REGRESSION: found and row["delta_ms"] > 0, IMPROVEMENT: found and row["delta_ms"] < 0,
+            UNDECIDED: undecided}
 
 
 def _pct(a: float | None, b: float | None) -> float | None:
@@ -279,6 +288,7 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
         "phases": phases,
         "ranks": ranks,
         "findings": _findings(phases, ranks, thresholds),
+        UNDECIDED: _undecided(phases, ranks),
         "steps": {"a": int(steps_a.size), "b": int(steps_b.size), "shared": int(shared.size)},
         "thresholds": {"max_p": thresholds.max_p, "min_pct": thresholds.min_pct, "min_ms": thresholds.min_ms},
     }
@@ -333,3 +343,24 @@ def _finding(kind: str, phase: str, rank: int | None, row: dict[str, Any], colle
                f"Mann-Whitney p={row['p_value']:.1g} over blocks of steps")
     return {"kind": kind, "phase": phase, "rank": rank, "message": message, "delta_ms": row["delta_ms"],
             "delta_pct": pct, "p_value": row["p_value"]}
+
+
+def _undecided(phases: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Changes big enough to matter that could not be judged: a series with fewer than
+    :data:`MIN_BLOCKS` independent blocks of steps (a short run, or one whose times drift). Per rank
+    where the phase is judged per rank; for all ranks where it is judged for the group (a collective)
+    or no rank was. Largest change first. They are no findings, and they are never "no change"."""
+    out = []
+    for ph in (ph for ph in phases if not ph["container"]):
+        mine = [r for r in ranks if r["phase"] == ph["name"]] if not ph["collective"] else []
+        rows = [(r["rank"], r) for r in mine if r[UNDECIDED]] if mine else [(None, ph)] if ph[UNDECIDED] else []
+        for rank, row in rows:
+            who = "all ranks" if rank is None else f"rank {rank}"
+            a50, b50 = row["judged_ms"]
+            na, nb = row["blocks"]
+            message = (f"{ph['name']} on {who}: median {a50:.3g} -> {b50:.3g} ms ({row['delta_ms']:+.2f} ms), but only "
+                       f"{na} and {nb} independent blocks of steps in A and B ({MIN_BLOCKS} needed on each side): "
+                       f"not judged; compare longer runs")
+            out.append({"phase": ph["name"], "rank": rank, "message": message, "delta_ms": row["delta_ms"],
+                        "blocks": row["blocks"]})
+    return sorted(out, key=lambda u: -abs(u["delta_ms"]))

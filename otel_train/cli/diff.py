@@ -91,8 +91,13 @@ def _render(result: dict[str, Any], out: Console) -> None:
               f"without the waiting)", highlight=False)
     for f in result["findings"]:
         out.print(Text.assemble((f["kind"], "bold"), f": {f['message']}"))
+    undecided = result.get("undecided") or []
+    for u in undecided:
+        out.print(Text.assemble(("undecided", "bold"), f": {u['message']}"))
     if not result["findings"]:
-        out.print("No regression or improvement above the thresholds.")
+        out.print("No regression or improvement above the thresholds" +
+                  (f"; {len(undecided)} change(s) big enough to matter could not be judged (above)." if undecided
+                   else "."))
     rows = _rows(result)
     table = Table(title="Medians (ms) per phase, and per rank where the change is significant; regressions "
                         "first, by the size of the change", title_justify="left")
