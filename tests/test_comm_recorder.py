@@ -533,3 +533,38 @@ def test_a_buffer_op_is_a_child_of_the_span_open_when_it_was_issued_even_one_clo
     assert warm["attrs"].get("comm.source") == start["attrs"].get("comm.source") == "flight_recorder"
     assert "parent_span_id" not in warm or warm["parent_span_id"] not in names
     assert names[start["parent_span_id"]] == "forward" and start["step"] == 1
+
+
+def test_a_recorder_that_falls_behind_says_so_once_and_counts_every_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """Both hand-overs to the recorder's thread are bounded: op notes (NoteQueue) and the spans that
+    ended since its last look (the feed it places Flight Recorder ops under). Full when the recorder
+    takes them: one line on stderr per kind, then only counted; what is still there is taken in order."""
+    from collections import deque
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from otel_train import _report
+    from otel_train.comm.groups import GroupTable
+    from otel_train.comm.notes import NoteQueue
+    from otel_train.comm.recorder import Recorder
+
+    _report.reset()
+    queue = NoteQueue(maxlen=4)
+    for i in range(6):
+        queue.append(i)  # type: ignore[arg-type] - the queue never looks inside a note
+    assert queue.take() == [2, 3, 4, 5] and queue.take() == []
+    tracer = TracerProvider().get_tracer("test")
+    closed: deque[Any] = deque(maxlen=3)
+    recorder = Recorder(tracer, NoteQueue(), GroupTable(), instant=lambda *_: None, closed=closed)
+    for look in range(2):
+        for _ in range(5):
+            span = tracer.start_span("phase")
+            span.end()
+            closed.append((span,))
+        recorder._see_spans()
+    assert len(recorder._spans) == 6 and not closed  # the 3 newest of each look
+    counts = _report.counts()
+    assert counts.get("comm.notes_dropped") == 1 and counts.get("comm.closed_spans_dropped") == 2, counts
+    err = capsys.readouterr().err
+    assert err.count("oldest op notes were dropped") == 1 and err.count("ended spans") == 1, err
+    _report.reset()

@@ -335,6 +335,10 @@ class Recorder:
                 spans.setdefault(entry[0]._context.span_id, entry)
         closed = self._closed
         if closed is not None:
+            if closed.maxlen is not None and len(closed) >= closed.maxlen:
+                _report.report("comm.closed_spans_dropped", "the comm recorder fell behind: the oldest ended spans "
+                               "it places Flight Recorder ops under were dropped (some comm.* spans may have a "
+                               "coarser parent)")
             pop = closed.popleft
             for _ in range(len(closed)):
                 entry = pop()
