@@ -139,7 +139,8 @@ def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
     third) the same change listed as undecided. Never "no change"."""
     out = diff_runs(load_run(runs["clean"]), load_run(runs["straggler"]))
     named = out["findings"] or [{"kind": "undecided", **u} for u in out["undecided"]]
-    first = named[0] if named else {"kind": None, "rank": None, "phase": None}
+    assert named, (out["findings"], out["undecided"])
+    first = named[0]
     assert (first["kind"] in ("regression", "undecided") and (first["rank"], first["phase"]) == (SLOW_RANK, DATA_FETCH)
             ), (out["findings"], out["undecided"])
     assert first["delta_ms"] == pytest.approx(SLOW_MS, rel=0.3)

@@ -352,8 +352,11 @@ def _undecided(phases: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> lis
     or no rank was. Largest change first. They are no findings, and they are never "no change"."""
     out = []
     for ph in (ph for ph in phases if not ph["container"]):
-        mine = [r for r in ranks if r["phase"] == ph["name"]] if not ph["collective"] else []
-        rows = [(r["rank"], r) for r in mine if r[UNDECIDED]] if mine else [(None, ph)] if ph[UNDECIDED] else []
+        mine = [] if ph["collective"] else [r for r in ranks if r["phase"] == ph["name"]]
+        if mine:
+            rows = [(r["rank"], r) for r in mine if r[UNDECIDED]]
+        else:
+            rows = [(None, ph)] if ph[UNDECIDED] else []
         for rank, row in rows:
             who = "all ranks" if rank is None else f"rank {rank}"
             a50, b50 = row["judged_ms"]
