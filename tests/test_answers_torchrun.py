@@ -8,14 +8,14 @@ is restarted by ``torchrun --max-restarts=1``, resuming from its last checkpoint
 The clean and straggler runs compare step times measured on a shared two-core machine whose load
 comes and goes, so they run side by side and most of their step waits without using the CPU
 (``--gpu-wait-ms 50``, as a step waits on a GPU): what the CPU load does to the few ms of CPU work
-stays small against the 10 % the targets allow. When other jobs already saturate the machine before
-the runs start, the comparisons between runs (the targets, clean against clean) are skipped with the
-load: the runs then meet different machines (see ``calm``); everything within one run still holds.
+stays small. No assertion needs two runs' step times to agree: what-if answers are judged within the
+straggler run, against what its records say the injected sleep added; diff's are judged with a stated
+tolerance (a third of the straggler's 30 ms). When other jobs already saturate the machine before the
+runs start, clean runs are not asked to name no straggler (see ``calm``).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import subprocess
@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import ReadRecords
+from contention import cpu_waits, starved, starved_by
 
 from otel_train.analysis.diff import diff_runs
 from otel_train.analysis.spans import load_run
@@ -42,10 +43,6 @@ STEADY = ("--hidden", "128", "--batch-size", "32", "--steps", "40", "--eval-ever
           "--gpu-wait-ms", "50", "--cpu-wait")
 SMALL = ("--hidden", "128", "--batch-size", "32", "--steps", "60", "--eval-every", "0", "--checkpoint-every", "0",
          "--cpu-wait")
-STARVED_SHARE = 0.5
-"""A straggler under CPU contention is the machine's doing when the kernel kept it waiting for a CPU, at the
-median step, longer than its peers by at least this share of how late it arrived (of its excess time in
-the phase, when it was named by durations)."""
 
 
 def torchrun(save_path: Path, *args: str, extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
@@ -85,7 +82,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def calm(runs: dict[str, Path]) -> bool:
     """Whether the machine was not already saturated by other jobs when the runs started. When it was,
-    the compared runs meet different machines: seen here at 4 – 5 runnable processes per CPU, a clean
+    clean runs meet a machine that makes real stragglers: seen here at 4 – 5 runnable processes per CPU, a clean
     run's ranks waking 3 ms apart from a 50 ms wait, a 17 % jitter cost, and two clean runs side by
     side 2 ms (50 %) apart in backward's all-reduce. Those are real differences, not the tools' noise."""
     return load(runs) <= MAX_LOAD_PER_CPU
@@ -95,42 +92,53 @@ def load(runs: dict[str, Path]) -> float:
     return float((runs["clean"].parent / "load").read_text())
 
 
-def saturated(runs: dict[str, Path], why: str) -> None:
-    pytest.skip(f"other jobs kept {load(runs):.1f} processes runnable per CPU when the runs started: {why}")
-
-
 def test_whatif_names_the_straggler_and_its_cost(runs: dict[str, Path]) -> None:
-    clean = whatif(load_run(runs["clean"]))
     slow = whatif(load_run(runs["straggler"]))
-    assert slow["step_ms"]["measured"] > clean["step_ms"]["measured"] + 0.6 * SLOW_MS, (clean, slow)
     assert slow["by_rank"][0]["rank"] == SLOW_RANK and slow["by_phase"][0]["phase"] == DATA_FETCH
     pair = slow["by_rank_phase"][0]
     assert (pair["rank"], pair["phase"]) == (SLOW_RANK, DATA_FETCH) and slow["steps"] == 39
     # Within the run: its ideal (every rank and phase made typical) takes out most of the straggler's
-    # 30 ms (comparing it with the clean run's ideal would compare two runs' machines: see calm()).
+    # 30 ms (how closely: the next test).
     assert slow["step_ms"]["ideal"] < slow["step_ms"]["measured"] - 0.6 * SLOW_MS, slow["step_ms"]
 
 
-def test_whatif_ideal_and_top_rank_match_the_clean_run(runs: dict[str, Path]) -> None:
-    if not calm(runs):
-        saturated(runs, "the clean run's own jitter is not the straggler run's")
-    clean = whatif(load_run(runs["clean"]))
+def phase_excess_ms(records: list[dict[str, Any]], rank: int, phase: str) -> float:
+    """How much longer ``rank``'s ``phase`` took than its peers' median, at the median step: read from the
+    records themselves (span ends), not through any analysis."""
+    durs: dict[int, dict[int, float]] = {}
+    for r in records:
+        if r.get("kind") == "span_end" and r.get("name") == phase and r.get("step") is not None:
+            durs.setdefault(r["rank"], {})[r["step"]] = r["dur_ms"]
+    peers = [p for p in durs if p != rank]
+    return statistics.median(d - statistics.median(durs[p][step] for p in peers)
+                             for step, d in durs[rank].items() if all(step in durs[p] for p in peers))
+
+
+def test_whatif_ideal_and_top_rank_take_out_what_the_straggler_added(runs: dict[str, Path],
+                                                                     read_records: ReadRecords) -> None:
+    # Judged within the straggler run alone (issue 19: no test may depend on two real runs' timings
+    # agreeing; a fresh-clone run beside a busy loop once measured the clean run 11.9 % slower than the
+    # straggler run's ideal). What the injected sleep added to the straggler's phase is read from the
+    # records; the what-if must take out that much, and no more than the run's own jitter besides.
     slow = whatif(load_run(runs["straggler"]))
-    measured_clean, measured_slow = clean["step_ms"]["measured"], slow["step_ms"]["measured"]
-    # The ideal (every rank and phase made typical) is what the clean run measured, within 10 %.
-    assert slow["step_ms"]["ideal"] == pytest.approx(measured_clean, rel=0.10), (clean["step_ms"], slow["step_ms"])
+    measured, ideal = slow["step_ms"]["measured"], slow["step_ms"]["ideal"]
+    added = phase_excess_ms(read_records(runs["straggler"]), SLOW_RANK, DATA_FETCH)
+    assert added == pytest.approx(SLOW_MS, rel=0.3), added
+    assert ideal == pytest.approx(measured - added, rel=0.10), (slow["step_ms"], added)
     top = slow["by_rank"][0]
-    assert top["slowdown"] == pytest.approx(measured_slow / measured_clean, rel=0.10), (top, measured_clean)
+    assert top["rank"] == SLOW_RANK and top["slowdown"] == pytest.approx(measured / (measured - added), rel=0.10), (
+        top, slow["step_ms"], added)
 
 
-def test_summarize_names_the_straggler_with_its_cost(runs: dict[str, Path]) -> None:
+def test_summarize_names_the_straggler_with_its_cost(runs: dict[str, Path], read_records: ReadRecords) -> None:
     found = [f for f in summarize(runs["straggler"], warn=pytest.fail)["findings"] if f["kind"] == "straggler"]
     f = max(found, key=lambda f: f["cost_ms"])
     assert (f["rank"], f["phase"]) == (SLOW_RANK, DATA_FETCH), found
     assert f["p_value"] < 1e-6 and f["excess_ms"] == pytest.approx(SLOW_MS, rel=0.3)
     assert f["cost_ms"] == pytest.approx(SLOW_MS, rel=0.3) and 0 < f["cost_pct"] < 100
-    if calm(runs):
-        assert found == [f]
+    if calm(runs):  # anything else named is the machine's doing, with the kernel's word (tests/contention.py)
+        waits = cpu_waits(read_records(runs["straggler"]))
+        assert [g["message"] for g in found if g is not f and not starved(g, waits)] == []
 
 
 def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
@@ -162,33 +170,6 @@ def test_clean_against_clean_raises_nothing_large(runs: dict[str, Path]) -> None
     assert all(abs(f["delta_ms"]) < CLEAN_TOLERANCE_MS for f in out["findings"]), out["findings"]
 
 
-def cpu_waits(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
-    """Each rank's wait for a CPU per step (ms), from the example's ``cpu_wait_ms`` scalars."""
-    waits: dict[int, dict[int, float]] = {}
-    for r in records:
-        if r.get("kind") == "scalar" and "cpu_wait_ms" in (r.get("values") or {}):
-            waits.setdefault(r["rank"], {})[r["step"]] = r["values"]["cpu_wait_ms"]
-    return waits
-
-
-def starved_by(waits: dict[int, dict[int, float]], rank: int) -> float:
-    """How much longer than its peers' median ``rank`` waited for a CPU at the median step (NaN: unknown)."""
-    peers = [p for p in waits if p != rank]
-    if rank not in waits or not peers:
-        return math.nan
-    excess = [w - statistics.median(waits[p][step] for p in peers)
-              for step, w in waits[rank].items() if all(step in waits[p] for p in peers)]
-    return statistics.median(excess) if excess else math.nan
-
-
-def late_ms(finding: dict[str, Any]) -> float:
-    """How late a straggler arrived at the median collective, or, named by durations alone, how much longer
-    than its peers its phase took per step (a fresh-clone run beside a busy loop: rank 0's forward +2.7 ms
-    per step in a clean run, while it waited 17.3 ms a step longer than its peer for a CPU)."""
-    arrived = finding.get("gap_ms") or (finding.get("arrival") or {}).get("gap_ms")
-    return arrived or finding.get("excess_ms") or math.inf
-
-
 def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path], read_records: ReadRecords) -> None:
     # Two jobs and a busy loop on two cores: every rank is descheduled now and then. When the scheduler
     # keeps one rank beside the busy loop for the whole run, that rank is a real straggler, as a rank on a
@@ -197,8 +178,7 @@ def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path], 
     for name in ("busy_a", "busy_b", *(("clean", "clean_2") if calm(runs) else ())):
         found = [f for f in summarize(runs[name], warn=pytest.fail)["findings"] if f["kind"] == "straggler"]
         waits = cpu_waits(read_records(runs[name]))
-        judged = [(f, starved_by(waits, f["rank"])) for f in found]
-        unexplained = [(f["rank"], f["message"], w) for f, w in judged if not w >= STARVED_SHARE * late_ms(f)]
+        unexplained = [(f["rank"], f["message"], starved_by(waits, f["rank"])) for f in found if not starved(f, waits)]
         assert unexplained == [], (name, unexplained)
 
 

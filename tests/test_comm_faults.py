@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import _read
+from contention import cpu_waits, starved
 
 from otel_train.analysis.fast import summarize_fast
 from otel_train.analysis.summary import summarize
@@ -34,7 +36,7 @@ from otel_train.analysis.summary import summarize
 pytest.importorskip("torch.distributed")
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-DDP = ("--steps", "12", "--eval-every", "0", "--checkpoint-every", "0", "--hidden", "64")
+DDP = ("--steps", "12", "--eval-every", "0", "--checkpoint-every", "0", "--hidden", "64", "--cpu-wait")
 STALL_MIN_S = 3.0
 LATENCY_BOUND_S = STALL_MIN_S + 5.0
 """watch's hang latency bound (docs/watch.md): the stall threshold plus 5 s."""
@@ -101,9 +103,14 @@ def found(summary: dict[str, Any], kind: str) -> list[dict[str, Any]]:
     return [f for f in summary["findings"] if f["kind"] == kind]
 
 
-def blamed(summary: dict[str, Any]) -> set[int]:
-    """Ranks named by a hang, desync or straggler finding (victims must never be)."""
-    return {f["rank"] for f in summary["findings"] if f["kind"] in ("hang", "desync", "straggler")}
+def blamed(summary: dict[str, Any], save: Path) -> set[int]:
+    """Ranks named by a hang, desync or straggler finding (victims must never be). A straggler the machine
+    made, with the kernel's word that it waited for a CPU about as long as it was late, is no victim named:
+    beside a busy loop, 3 ranks on 2 cores, a desync run's rank 1 was last at all 9 collectives before the
+    fault, 1.5 ms late (tests/contention.py; DDP jobs log their wait with ``--cpu-wait``)."""
+    waits = cpu_waits(_read(save, torn_ok=4))  # a kill may tear each rank's last line
+    return {f["rank"] for f in summary["findings"] if f["kind"] in ("hang", "desync", "straggler")
+            and not (f["kind"] == "straggler" and starved(f, waits))}
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +134,7 @@ def test_skipped_collective_is_a_hang_on_the_op(skipped: tuple[Path, list[dict[s
     comm = hang["comm"]
     assert hang["rank"] == 1 and comm["op"] == "all_reduce" and comm["missing"] == [1], hang
     assert sorted(comm["waiting"]) == [0, 2] and "metrics" in hang["message"], hang
-    assert f"#{comm['seq']}" in hang["message"] and blamed(summary) == {1}, summary["findings"]
+    assert f"#{comm['seq']}" in hang["message"] and blamed(summary, save) == {1}, summary["findings"]
     fast = summarize_fast(save, warn=lambda _: None)
     (fast_hang,) = found(fast, "hang")
     assert (fast_hang["rank"], fast_hang["comm"]["group"], fast_hang["comm"]["seq"]) == (
@@ -162,7 +169,7 @@ def test_desync_names_the_group_the_seq_and_each_side(fault: str, tmp_path: Path
         assert "broadcast" in ops[2] and "all_reduce" in ops[0], ops
     else:  # the same op, another size: each side's bytes in the message
         assert ops[2] == ops[0] == "all_reduce" and len(set(re.findall(r"(\d+) B", desync["message"]))) == 2, desync
-    assert f"seq {desync['comm']['seq']}" in desync["message"] and blamed(summary) == {2}, summary["findings"]
+    assert f"seq {desync['comm']['seq']}" in desync["message"] and blamed(summary, save) == {2}, summary["findings"]
 
 
 def test_slow_pipeline_stage_is_the_straggler(tmp_path: Path) -> None:
@@ -191,7 +198,7 @@ def test_stopped_pipeline_stage_is_the_hang_and_its_peers_its_victims(tmp_path: 
     summary = summarize(save, warn=lambda _: None)
     (hang,) = found(summary, "hang")
     assert hang["rank"] == 1 and 1 not in hang["comm"]["waiting"] and hang["comm"]["waiting"], hang
-    assert blamed(summary) == {1}, summary["findings"]
+    assert blamed(summary, save) == {1}, summary["findings"]
     live = [e["finding"] for e in events if e["type"] == "finding" and e["finding"]["kind"] == "hang"]
     assert live and live[0]["rank"] == 1 and 1 not in live[0].get("victims", []), events
 
