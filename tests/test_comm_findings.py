@@ -238,6 +238,24 @@ def test_arrival_straggler_is_charged_its_peers_waiting_and_no_victim_is_named(t
     assert "; it arrived last at 40/40 collectives of group 0, 40.0 ms after the next-latest" in f["message"]
 
 
+def test_arrival_share_counts_the_collectives_inside_steps(tmp_path: Path) -> None:
+    # Start-up collectives (before the first step: DDP's parameter broadcast, barriers) are set-up's. Rank 1 is
+    # last at every step's all_reduce (40 of 40) and at none of the 8 start-up ones, where rank 3 is last:
+    # 40 / 48 = 83 % was under the rule's 90 % when they counted, and the straggler went unnamed.
+    procs = _procs(4)
+    declare(procs)
+    for seq in range(8):
+        procs[3].advance(5.0)
+        collective(procs, "broadcast", "0", seq)
+    dp_steps(procs, range(40), _slow(1, 40.0), seq0=8)
+    for p in procs:
+        p.shutdown()
+    write_run(tmp_path, procs)
+    found = summarize(tmp_path)["findings"]
+    assert _kinds(found) == [("straggler", 1)], found
+    assert (found[0]["arrival"]["last_at"], found[0]["arrival"]["collectives"]) == (40, 40), found[0]
+
+
 def test_arrival_alone_names_a_rank_late_outside_any_span(tmp_path: Path) -> None:
     # Rank 2 spends 30 ms outside any span before backward: no phase is slower, it arrives last.
     procs = _procs(4)

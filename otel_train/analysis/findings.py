@@ -35,7 +35,7 @@ At the communication level (the run's comm graph, :mod:`otel_train.analysis.comm
 * ``desync``: the members of one group issued different ops, or different bytes or dtypes, at the
   same seq; one finding per group (its first such seq), naming the minority side;
 * ``straggler`` by arrival: the member that arrives last at a significant share of its group's
-  collectives, by a margin (:data:`ARRIVAL_MAX_P`, :data:`ARRIVAL_MIN_SHARE`,
+  collectives inside steps (all of them in a run without steps), by a margin (:data:`ARRIVAL_MAX_P`, :data:`ARRIVAL_MIN_SHARE`,
   :data:`ARRIVAL_MIN_GAP_MS`); its peers' waiting is its ``cost_ms`` (``waited_ms`` added to the
   phase rule's finding when that names it in the same phase). The phase-level rule drops a rank
   that, judged without the time its comm ops waited for a later peer, it would not name: a victim.
@@ -849,9 +849,8 @@ def arrival_findings(group: Sequence[ProcessState], graph: CommGraph | None, win
         return []
     waits = _waits(group, graph) if waits is None else waits
     by_key: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
-    for a in graph.arrivals():
-        if window is None or (a.step is not None and window[0] <= a.step <= window[1]):
-            by_key.setdefault((a.group, a.members), []).append(a)
+    for a in _training_arrivals(graph, window):
+        by_key.setdefault((a.group, a.members), []).append(a)
     by_rank = {d.rank: d for d in group}
     best: dict[int, dict[str, Any]] = {}
     for (g, members), seen in by_key.items():
@@ -863,6 +862,17 @@ def arrival_findings(group: Sequence[ProcessState], graph: CommGraph | None, win
             if f is not None and (rank not in best or f["cost_ms"] > best[rank]["cost_ms"]):
                 best[rank] = f
     return [best[r] for r in sorted(best)]
+
+
+def _training_arrivals(graph: CommGraph, window: Window | None) -> list[Any]:
+    """The arrivals judged: those inside the window's steps; without a window, those inside any step when
+    the run has steps (start-up collectives, before the first step, are set-up's, not training's: a
+    2-rank, 60-step job has 66 collectives, 6 of them start-up), else all of them."""
+    arrivals = list(graph.arrivals())
+    stepped = [a for a in arrivals if a.step is not None]
+    if window is not None:
+        return [a for a in stepped if window[0] <= a.step <= window[1]]
+    return stepped or arrivals
 
 
 def _arrival_finding(d: ProcessState, g: str, members: tuple[int, ...], seen: list[Any],
