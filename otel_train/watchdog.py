@@ -32,6 +32,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 from otel_train import _clock, _report, sketch
+from otel_train._threads import start_quiet
 from otel_train.digest import DigestWriter
 from otel_train import schema as S
 from otel_train.stall import MAX_STALLS_PER_SPAN, stall_threshold
@@ -212,8 +213,7 @@ class Watchdog:
     def start(self) -> Watchdog:
         """Start the daemon thread (once)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="otel-train-watchdog", daemon=True)
-            self._thread.start()
+            self._thread = start_quiet(threading.Thread(target=self._run, name="otel-train-watchdog", daemon=True))
         return self
 
     def final_digest(self) -> None:

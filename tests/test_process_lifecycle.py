@@ -304,3 +304,64 @@ def test_multiprocessing_worker_that_inits_ends_cleanly_without_shutdown(
     assert [r[S.EVENT] for r in records] == [
         "process_start", "step_start", "forward_start", "forward_end", "step_end", "process_end"]
     assert records[3][S.STATUS] == records[4][S.STATUS] == S.STATUS_INCOMPLETE
+
+
+def _blocked(mask_hex: str, sig: int) -> bool:
+    return bool(int(mask_hex, 16) >> (sig - 1) & 1)
+
+
+def test_the_runtimes_threads_never_take_the_processs_signals(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]]) -> None:
+    # The kernel hands a signal sent to the process to any thread that does not block it; Python runs the
+    # handler only in the main thread, so one of our threads taking it left a main thread blocked in a
+    # lock unwoken (otel_train/_threads.py). Each of ours blocks SIGTERM and SIGINT; the main thread none.
+    code = """
+    import threading
+    import otel_train as ot
+    ot.init()
+    for t in threading.enumerate():
+        with open(f"/proc/self/task/{t.native_id}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith("SigBlk:"))
+        print(t.name, mask)
+    ot.shutdown()
+    """
+    proc = run(code, traced_env(OTEL_TRAIN_WATCHDOG="true"))
+    assert proc.returncode == 0, proc.stderr
+    masks = dict(line.split() for line in proc.stdout.splitlines())
+    ours = {name: mask for name, mask in masks.items() if name.startswith(("otel_train", "otel-train"))}
+    assert {"otel_train.writer", "otel_train.file_check", "otel-train-watchdog"} <= set(ours), masks
+    assert all(_blocked(m, signal.SIGTERM) and _blocked(m, signal.SIGINT) for m in ours.values()), ours
+    assert not _blocked(masks["MainThread"], signal.SIGTERM), masks
+
+
+def test_a_multiprocessing_worker_that_inits_dies_of_sigterm_at_once(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    # Pool.terminate and DataLoader shutdown SIGTERM workers that may be anywhere: a worker keeps the default
+    # action (docs/runtime.md), so it dies of it even idle in a semaphore, its records whole up to the kill.
+    code = """
+    import multiprocessing, signal, time
+    import otel_train as ot
+
+    def work(ready, gate):
+        ot.init(source="worker")
+        with ot.log_trace_span("forward"):
+            pass
+        ready.set()
+        gate.acquire()  # idle in a semaphore, as a pool worker waits for its next task
+
+    if __name__ == "__main__":
+        ctx = multiprocessing.get_context("fork")
+        ready, gate = ctx.Event(), ctx.Semaphore(0)
+        worker = ctx.Process(target=work, args=(ready, gate))
+        worker.start()
+        assert ready.wait(20)
+        time.sleep(0.3)  # the writer thread has written what was queued
+        worker.terminate()
+        worker.join(10)
+        print(worker.exitcode)
+    """
+    proc = run(code, traced_env())
+    assert proc.returncode == 0 and proc.stdout.split() == [str(-signal.SIGTERM)], (proc.stdout, proc.stderr)
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    assert [r[S.EVENT] for r in records] == ["process_start", "forward_start", "forward_end"]

@@ -42,6 +42,7 @@ from queue import Empty, SimpleQueue
 from typing import Any, Callable
 
 from otel_train import _modes, _report
+from otel_train._threads import start_quiet
 
 __all__ = ["QueuedWriter", "RotatingFileWriter"]
 
@@ -83,8 +84,7 @@ class _Ticker:
         with self._lock:
             self._writers.add(writer)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="otel_train.file_check", daemon=True)
-                self._thread.start()
+                self._thread = start_quiet(threading.Thread(target=self._run, name="otel_train.file_check", daemon=True))
 
     def remove(self, writer: RotatingFileWriter) -> None:
         with self._lock:
@@ -584,8 +584,7 @@ class QueuedWriter:
         self._deadline = 0.0  # monotonic; no wait goes past it (shutdown's bound); 0.0: none
         self.on_loss: Callable[[int, int, str], None] | None = None
         self.on_notice: Callable[[dict[str, Any]], None] | None = None
-        self._thread = threading.Thread(target=self._run, name="otel_train.writer", daemon=True)
-        self._thread.start()
+        self._thread = start_quiet(threading.Thread(target=self._run, name="otel_train.writer", daemon=True))
         _queued.add(self)
         _ticker.add(self)
 

@@ -32,6 +32,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
 
 from otel_train._clock import from_foreign, now_ns  # the runtime's one clock (docs/clock.md)
 from otel_train import _report
+from otel_train._threads import start_quiet
 from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train.comm import flight_recorder as fr
@@ -99,8 +100,7 @@ class Recorder:
 
     def start(self) -> Recorder:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="otel-train-comm", daemon=True)
-            self._thread.start()
+            self._thread = start_quiet(threading.Thread(target=self._run, name="otel-train-comm", daemon=True))
         return self
 
     def on_step(self, step: int) -> None:
