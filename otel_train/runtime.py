@@ -562,8 +562,8 @@ def _multiprocessing_child() -> bool:
     There SIGTERM keeps its default action: the kernel ends the worker at once, as without otel-train,
     and the worker's file ends without ``process_end`` (what its writer thread had not yet written is
     lost, as on SIGKILL; docs/runtime.md). ``Pool.terminate`` and DataLoader shutdown SIGTERM workers
-    that may be anywhere, and a worker must die of it: with a handler of ours it did not, about once in
-    100 pools beside a busy loop (once in 40 runs of the fault suite), and the pool's ``join`` waited
+    that may be anywhere, and a worker must die of it: with a handler of ours it did not, within 16 – 300
+    pools beside a busy loop (once in 40 runs of the fault suite), and the pool's ``join`` waited
     forever. The worker's main thread sits in its task queue's semaphore, and a SIGTERM that landed in
     ``init`` (deferred by the Python handler, or taken by the C-level watcher used off the main thread)
     was sometimes never acted on. A worker that leaves normally still ends its file cleanly
@@ -683,8 +683,8 @@ def _watch_sigterm() -> None:
 
 
 def _sigterm_watcher(read_fd: int) -> None:
-    # SIGTERM is blocked here, so faulthandler's handler never runs on the thread that drains its pipe.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # Started with SIGTERM blocked (start_quiet), so faulthandler's handler never runs on the thread that
+    # drains its pipe.
     try:
         got = os.read(read_fd, 1 << 16)
     except OSError:

@@ -30,14 +30,19 @@ def cpu_waits(records: list[dict[str, Any]]) -> dict[int, dict[int, float]]:
     return waits
 
 
+def excess_over_peers(by_rank: dict[int, dict[int, float]], rank: int) -> float:
+    """``rank``'s value over its peers' median, at the median step they share (NaN: unknown)."""
+    peers = [p for p in by_rank if p != rank]
+    if rank not in by_rank or not peers:
+        return math.nan
+    excess = [v - statistics.median(by_rank[p][step] for p in peers)
+              for step, v in by_rank[rank].items() if all(step in by_rank[p] for p in peers)]
+    return statistics.median(excess) if excess else math.nan
+
+
 def starved_by(waits: dict[int, dict[int, float]], rank: int) -> float:
     """How much longer than its peers' median ``rank`` waited for a CPU at the median step (NaN: unknown)."""
-    peers = [p for p in waits if p != rank]
-    if rank not in waits or not peers:
-        return math.nan
-    excess = [w - statistics.median(waits[p][step] for p in peers)
-              for step, w in waits[rank].items() if all(step in waits[p] for p in peers)]
-    return statistics.median(excess) if excess else math.nan
+    return excess_over_peers(waits, rank)
 
 
 def late_ms(finding: dict[str, Any]) -> float:

@@ -17,7 +17,6 @@ runs start, clean runs are not asked to name no straggler (see ``calm``).
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 
 import pytest
 from conftest import ReadRecords
-from contention import cpu_waits, starved, starved_by
+from contention import cpu_waits, excess_over_peers, starved, starved_by
 
 from otel_train.analysis.diff import diff_runs
 from otel_train.analysis.spans import load_run
@@ -109,9 +108,7 @@ def phase_excess_ms(records: list[dict[str, Any]], rank: int, phase: str) -> flo
     for r in records:
         if r.get("kind") == "span_end" and r.get("name") == phase and r.get("step") is not None:
             durs.setdefault(r["rank"], {})[r["step"]] = r["dur_ms"]
-    peers = [p for p in durs if p != rank]
-    return statistics.median(d - statistics.median(durs[p][step] for p in peers)
-                             for step, d in durs[rank].items() if all(step in durs[p] for p in peers))
+    return excess_over_peers(durs, rank)
 
 
 def test_whatif_ideal_and_top_rank_take_out_what_the_straggler_added(runs: dict[str, Path],

@@ -35,8 +35,8 @@ At the communication level (the run's comm graph, :mod:`otel_train.analysis.comm
 * ``desync``: the members of one group issued different ops, or different bytes or dtypes, at the
   same seq; one finding per group (its first such seq), naming the minority side;
 * ``straggler`` by arrival: the member that arrives last at a significant share of its group's
-  collectives inside steps (all of them in a run without steps), by a margin (:data:`ARRIVAL_MAX_P`, :data:`ARRIVAL_MIN_SHARE`,
-  :data:`ARRIVAL_MIN_GAP_MS`); its peers' waiting is its ``cost_ms`` (``waited_ms`` added to the
+  collectives inside steps (all of them in a run without steps), by a margin (:data:`ARRIVAL_MAX_P`,
+  :data:`ARRIVAL_MIN_SHARE`, :data:`ARRIVAL_MIN_GAP_MS`); its peers' waiting is its ``cost_ms`` (``waited_ms`` added to the
   phase rule's finding when that names it in the same phase). The phase-level rule drops a rank
   that, judged without the time its comm ops waited for a later peer, it would not name: a victim.
 

@@ -124,7 +124,7 @@ if __name__ == "__main__":
 def test_pools_terminated_while_their_workers_init_never_hang(tmp_path: Path) -> None:
     """`with Pool` SIGTERMs its workers on the way out, often while one is still in init (the other did
     every task). With a SIGTERM handler of ours in the worker that signal was sometimes never acted on,
-    and the pool's join waited forever: about once in 100 pools beside a busy loop, once in 40 runs of
+    and the pool's join waited forever: within 16 – 300 pools beside a busy loop, once in 40 runs of
     this suite. Workers now keep SIGTERM's default action. Run in a child process, so a hang is a
     timeout here, not a stuck suite."""
     import subprocess
