@@ -21,6 +21,7 @@ Faults:
     --fault slow-stage --fault-stage 1 --slow-ms 10   pp: every rank of pipeline stage 1 (both of its
                                                      data-parallel replicas) is 10 ms slower in every
                                                      forward (stage imbalance); --fault-rank is ignored
+    --fault slow-stage ... --slow-every 2             only every second step (1, 3, 5, ...) is slowed
     --fault stop-stage --fault-rank 1 --fault-step 2  rank 1 stops in the middle of step 2 (it sleeps in
                                                      the forward of microbatch 1 until it is killed): its
                                                      peers wait in send/recv until --timeout-s ends the run
@@ -62,11 +63,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-stage", type=int, help="pp, slow-stage: slow every rank of this stage instead")
     p.add_argument("--fault-step", type=int, default=2)
     p.add_argument("--slow-ms", type=float, default=100.0)
+    p.add_argument("--slow-every", type=int, default=1,
+                   help="slow-stage: only every Nth step is slowed (steps N-1, 2N-1, ...): with 2, the steps in "
+                        "between are the same run's clean steps")
     p.add_argument("--gpu-wait-ms", type=float, default=0.0,
                    help="pp: every microbatch's forward also waits this long without using the CPU (its backward "
                         "twice as long), as a stage waits on a GPU: steady step times on a busy CPU (tests, demo)")
     p.add_argument("--no-trace", action="store_true", help="run without otel-train")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.slow_every < 1:
+        p.error(f"--slow-every {args.slow_every}: must be 1 or more")
+    return args
 
 
 class Faults:
@@ -87,7 +94,7 @@ class Faults:
         a = self.args
         if not self.hit():
             return
-        if a.fault == "slow-stage":
+        if a.fault == "slow-stage" and self.step % a.slow_every == a.slow_every - 1:
             time.sleep(a.slow_ms / 1000.0)
         if a.fault == "stop-stage" and self.step == a.fault_step:
             self.forwards += 1
