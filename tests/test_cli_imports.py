@@ -105,7 +105,7 @@ def test_stats_json_loads_no_findings_or_export(small_run: Path) -> None:
 def test_the_clis_copies_of_analysis_defaults_agree() -> None:
     """The CLI keeps a few option defaults as literals so that registering the commands imports no
     analysis; they must stay what the analysis uses."""
-    from otel_train.analysis.diff import Thresholds
+    from otel_train.analysis.diff import MIN_RUNS, Thresholds
     from otel_train.analysis.findings import FINDING_KINDS
     from otel_train.analysis.whatif import SYNC_PHASES
     from otel_train.cli import diff, watch, whatif
@@ -115,3 +115,4 @@ def test_the_clis_copies_of_analysis_defaults_agree() -> None:
     default = Thresholds()
     assert (diff.DEFAULT_MAX_P, diff.DEFAULT_MIN_PCT, diff.DEFAULT_MIN_MS) == (
         default.max_p, default.min_pct, default.min_ms)
+    assert diff.MIN_BASELINES == MIN_RUNS - 1

@@ -211,3 +211,68 @@ def test_a_big_change_in_too_short_a_run_is_undecided_never_no_change(tmp_path: 
 def test_the_same_change_in_a_long_run_is_a_finding_and_nothing_is_undecided(tmp_path: Path) -> None:
     out = diff_runs(noisy_run(tmp_path / "a", 1), noisy_run(tmp_path / "b", 2, _rank1_fetch_plus_30))
     assert kinds(out)[:1] == [("regression", 1, DATA_FETCH)] and out["undecided"] == []
+
+
+def drawn_run(path: Path, seed: int, factor: float, change: Change | None = None) -> Run:
+    """``noisy_run`` whose ``forward`` on every rank is ``factor`` times as long, a draw of the run's own
+    conditions (where the kernel placed the ranks against other load: docs/analysis.md "Diff")."""
+    def drawn(rank: int, step: int, t: dict[str, float]) -> None:
+        t[FORWARD] *= factor
+        if change is not None:
+            change(rank, step, t)
+
+    return noisy_run(path, seed, drawn)
+
+
+def test_a_change_of_all_ranks_within_the_spread_of_a_runs_is_no_finding(tmp_path: Path) -> None:
+    a = [drawn_run(tmp_path / f"a{i}", 40 + i, f) for i, f in enumerate((1.0, 1.25, 0.85))]
+    b = drawn_run(tmp_path / "b", 50, 1.2)
+    assert kinds(diff_runs(a[0], b)) == [("regression", None, FORWARD)]  # one pair: the run's draw looks like a change
+    out = diff_runs(a[0], b, baselines=a[1:])
+    assert out["findings"] == [] and out["undecided"] == [] and out["a_runs"] == 3
+    runs = next(p for p in out["phases"] if p["name"] == FORWARD)["runs"]
+    assert len(runs["a_p50_ms"]) == 3 and runs["outside"] is False
+    assert runs["a_p50_ms"][1] == pytest.approx(25.0, rel=0.03) and runs["bound_ms"] > 4.0
+
+
+def test_a_change_of_all_ranks_outside_the_spread_of_a_runs_is_still_found(tmp_path: Path) -> None:
+    a = [drawn_run(tmp_path / f"a{i}", 60 + i, f) for i, f in enumerate((1.0, 1.01, 0.99))]
+    out = diff_runs(a[0], drawn_run(tmp_path / "b", 70, 1.3), baselines=a[1:])
+    assert kinds(out) == [("regression", None, FORWARD)]
+    runs = next(p for p in out["phases"] if p["name"] == FORWARD)["runs"]
+    assert runs["outside"] is True and 0.0 < runs["bound_ms"] < 6.0  # the change: +6 ms
+    assert "outside the spread of 3 runs of A" in out["findings"][0]["message"]
+
+
+def test_one_ranks_change_keeps_its_verdict_beside_more_runs_of_a(tmp_path: Path) -> None:
+    def slower(rank: int, step: int, t: dict[str, float]) -> None:
+        if rank == 1:
+            t[FORWARD] *= 1.10
+
+    a = [drawn_run(tmp_path / f"a{i}", 80 + i, f) for i, f in enumerate((1.0, 1.2, 0.9))]
+    out = diff_runs(a[0], drawn_run(tmp_path / "b", 90, 1.1, slower), baselines=a[1:])
+    assert kinds(out) == [("regression", 1, FORWARD)]  # judged against its peers of the same run
+    with pytest.raises(ValueError, match="at least 2"):
+        diff_runs(a[0], a[1], baselines=a[2:])
+
+
+def test_diff_cli_takes_more_runs_of_a(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    for i, f in enumerate((1.0, 1.25, 0.85)):
+        drawn_run(tmp_path / f"a{i}", 40 + i, f)
+    drawn_run(tmp_path / "b", 50, 1.2)
+    a0, a1, a2, b = (str(tmp_path / n) for n in ("a0", "a1", "a2", "b"))
+    pair = json.loads(CliRunner().invoke(app, ["diff", a0, b, "--json"]).stdout)
+    assert [f["phase"] for f in pair["findings"]] == [FORWARD]
+    done = CliRunner().invoke(app, ["diff", a0, b, "--json", "--baseline", a1, "--baseline", a2])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["findings"] == [] and json.loads(done.stdout)["a_runs"] == 3
+    text = CliRunner().invoke(app, ["diff", a0, b, "--baseline", a1, "--baseline", a2])
+    assert "outside the spread of the 3 runs of A" in text.stdout and "No regression" in text.stdout
+    one = CliRunner().invoke(app, ["diff", a0, b, "--baseline", a1])
+    assert one.exit_code != 0 and len(one.stderr.splitlines()) == 1 and "--baseline" in one.stderr

@@ -215,3 +215,19 @@ def test_mann_whitney_matches_known_values_and_exhaustive_permutations() -> None
     # Ties get average ranks; all tied means no evidence at all.
     assert mann_whitney(np.ones(5), np.ones(7))[1] == 1.0
     assert np.isnan(mann_whitney(np.empty(0), np.ones(3))[1])
+
+
+def test_student_t_matches_its_tables_and_its_own_integral() -> None:
+    from otel_train.analysis.stats import incomplete_beta, student_t_isf, student_t_sf
+
+    # Two-sided critical values from the standard t table (df, two-sided p, t).
+    for df, p, t in [(1, 0.05, 12.706), (2, 0.01, 9.925), (4, 0.01, 4.604), (10, 0.05, 2.228), (30, 0.01, 2.750)]:
+        assert student_t_isf(p / 2, df) == pytest.approx(t, abs=1e-3)
+        assert 2 * student_t_sf(t, df) == pytest.approx(p, rel=2e-3)
+    assert student_t_sf(0.0, 5) == 0.5 and student_t_sf(-1.3, 7) == pytest.approx(1 - student_t_sf(1.3, 7))
+    # The density integrated by the trapezoid rule gives the same tail (df = 3, t = 1.5).
+    x = np.linspace(1.5, 400.0, 2_000_001)
+    dens = 2.0 / (np.pi * np.sqrt(3.0)) / (1 + x * x / 3.0) ** 2  # Student's t density at df = 3
+    assert student_t_sf(1.5, 3) == pytest.approx(float(np.trapezoid(dens, x)), rel=1e-4)
+    assert incomplete_beta(0.3, 2.0, 3.0) == pytest.approx(0.3483, abs=1e-4)  # I_0.3(2, 3), by hand: 0.3483
+    assert incomplete_beta(0.0, 2.0, 3.0) == 0.0 and incomplete_beta(1.0, 2.0, 3.0) == 1.0

@@ -24,6 +24,13 @@ their own time (a comm op's: from the last member's arrival to its end) (the wha
 model's tail: from the last rank's arrival to leaving; docs/analysis.md "What-if"), a change
 that most ranks of a phase share is one finding for all ranks instead of one per rank, and a phase
 that contains others (``step``) gets none: its change is theirs.
+
+A change every rank shares has no control inside a run: the run's own conditions (where the kernel
+placed the ranks, what else ran) move all ranks alike, and they are drawn once per run. Given more
+runs of A's kind (``baselines``: the same job run again), such a change must also lie outside the
+spread of A's runs: B's median further from the mean of the A runs' medians than Student's t
+prediction bound (at ``max_p``, two-sided) over their standard deviation. A change of one rank is
+judged against its peers of the same run, which share the run's conditions, and keeps its verdict.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import numpy as np
 
 from otel_train import schema
 from otel_train.analysis.spans import NO_STEP, Run
-from otel_train.analysis.stats import mann_whitney, quantiles
+from otel_train.analysis.stats import mann_whitney, quantiles, student_t_isf
 from otel_train.analysis.whatif import SYNC_PHASES, sync_table
 
 REGRESSION = "regression"
@@ -66,6 +73,8 @@ MAX_BLOCKS = 24
 """Blocks per series at most (longer series get longer blocks)."""
 MIN_BLOCKS = 5
 """Fewer blocks than this on either side: never significant (5 against 5 reach p = 0.008 at best)."""
+MIN_RUNS = 3
+"""A runs (A and its ``baselines``) needed to measure their spread: two give one degree of freedom."""
 
 
 def autocorrelation_time(x: np.ndarray) -> float:
@@ -260,13 +269,23 @@ def _summary(values: np.ndarray) -> dict[str, Any]:
             "p95_ms": None if values.size == 0 else p95}
 
 
-def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Sequence[str] = SYNC_PHASES
-              ) -> dict[str, Any]:
-    """The ``diff --json`` object: phases, ranks, findings (regressions first), steps, thresholds."""
-    steps_a, steps_b = _steps_of(a), _steps_of(b)
+def _window(steps_a: np.ndarray, steps_b: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """(the steps to compare, or None for all; the steps both runs have)."""
     shared = np.intersect1d(steps_a, steps_b)
     # Only the shared steps, unless there are none, or they are all either run has (nothing to drop).
-    steps = shared if shared.size and shared.size < max(steps_a.size, steps_b.size) else None
+    return (shared if shared.size and shared.size < max(steps_a.size, steps_b.size) else None), shared
+
+
+def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Sequence[str] = SYNC_PHASES,
+              baselines: Sequence[Run] = ()) -> dict[str, Any]:
+    """The ``diff --json`` object: phases, ranks, findings (regressions first), steps, thresholds.
+    ``baselines``: more runs of A's kind, against whose spread a change of all ranks is judged too
+    (the module doc); at least ``MIN_RUNS - 1`` of them, or none."""
+    if baselines and len(baselines) < MIN_RUNS - 1:
+        raise ValueError(f"{len(baselines)} more run(s) of A: at least {MIN_RUNS - 1} are needed to measure "
+                         "the spread of A's runs")
+    steps_a, steps_b = _steps_of(a), _steps_of(b)
+    steps, shared = _window(steps_a, steps_b)
     (raw_a, judged_a), (raw_b, judged_b) = _samples(a, steps, sync), _samples(b, steps, sync)
     order = list(dict.fromkeys([*a.phase_order(), *b.phase_order()]))
     names = [n for n in order if any(k[1] == n for k in raw_a) and any(k[1] == n for k in raw_b)]
@@ -284,6 +303,8 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
                        **_verdict(_pooled(judged_a, name), _pooled(judged_b, name),
                                   *(t[name].get(None, _NONE) for t in tested), thresholds),
                        "collective": name in collective, "container": name in containers})
+    if baselines:
+        _between_runs(phases, [_run_medians(run, steps_b, sync) for run in baselines], thresholds)
     return {
         "phases": phases,
         "ranks": ranks,
@@ -291,7 +312,36 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
         UNDECIDED: _undecided(phases, ranks),
         "steps": {"a": int(steps_a.size), "b": int(steps_b.size), "shared": int(shared.size)},
         "thresholds": {"max_p": thresholds.max_p, "min_pct": thresholds.min_pct, "min_ms": thresholds.min_ms},
+        "a_runs": 1 + len(baselines),
     }
+
+
+def _run_medians(run: Run, steps_b: np.ndarray, sync: Sequence[str]) -> dict[str, float]:
+    """One more run of A's kind: each phase's judged median, on the steps it shares with B."""
+    steps, _ = _window(_steps_of(run), steps_b)
+    _, judged = _samples(run, steps, sync)
+    names = {name for _, name in judged}
+    return {n: float(np.median(v)) for n in names if (v := _pooled(judged, n)).size}
+
+
+def _between_runs(phases: list[dict[str, Any]], more: list[dict[str, float]], th: Thresholds) -> None:
+    """Judges each phase row (all ranks) against the spread of A's runs as well (the module doc): adds
+    ``runs`` (the A runs' medians, the bound, whether B is outside it), and a regression, an
+    improvement or an undecided change inside the bound is none: A's runs differ as much. A phase that fewer than ``MIN_RUNS`` A runs have keeps the
+    pair's verdict, with ``bound_ms`` null."""
+    for ph in phases:
+        a50, b50 = ph["judged_ms"]
+        medians = [m for m in [a50, *(run.get(ph["name"]) for run in more)] if m is not None]
+        if len(medians) < MIN_RUNS or b50 is None:
+            ph["runs"] = {"a_p50_ms": medians, "bound_ms": None, "outside": None}
+            continue
+        n = len(medians)
+        spread = float(np.std(medians, ddof=1))
+        bound = student_t_isf(th.max_p / 2.0, n - 1) * spread * math.sqrt(1.0 + 1.0 / n)
+        outside = bool(abs(b50 - float(np.mean(medians))) > bound)
+        ph["runs"] = {"a_p50_ms": medians, "bound_ms": bound, "outside": outside}
+        if not outside:
+            ph[REGRESSION] = ph[IMPROVEMENT] = ph[UNDECIDED] = False
 
 
 def _rank_rows(raw_a: Samples, raw_b: Samples, judged_a: Keyed, judged_b: Keyed,
@@ -339,8 +389,11 @@ def _finding(kind: str, phase: str, rank: int | None, row: dict[str, Any], colle
     a50, b50 = row["judged_ms"]
     pct = _pct(a50, b50)
     change = f"{row['delta_ms']:+.2f} ms" + (f", {pct:+.0f} %" if pct is not None else "")
+    runs = row.get("runs") or {}
+    spread = (f", outside the spread of {len(runs['a_p50_ms'])} runs of A (+/-{runs['bound_ms']:.3g} ms)"
+              if runs.get("bound_ms") is not None else "")
     message = (f"{phase} on {who}{own}: median {a50:.3g} -> {b50:.3g} ms ({change}), "
-               f"Mann-Whitney p={row['p_value']:.1g} over blocks of steps")
+               f"Mann-Whitney p={row['p_value']:.1g} over blocks of steps{spread}")
     return {"kind": kind, "phase": phase, "rank": rank, "message": message, "delta_ms": row["delta_ms"],
             "delta_pct": pct, "p_value": row["p_value"]}
 

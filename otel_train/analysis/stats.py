@@ -278,3 +278,48 @@ def mann_whitney(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
         return u, 1.0
     z = (abs(u - n1 * n2 / 2.0) - 0.5) / math.sqrt(var)
     return u, min(1.0, 2.0 * normal_sf(max(z, 0.0)))
+
+
+def _beta_fraction(x: float, a: float, b: float) -> float:
+    """The continued fraction of the regularized incomplete beta (modified Lentz), for x < (a+1)/(a+b+2)."""
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    out = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            out *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return out
+
+
+def incomplete_beta(x: float, a: float, b: float) -> float:
+    """I_x(a, b), the regularized incomplete beta function, for 0 <= x <= 1 and a, b > 0."""
+    if x <= 0.0 or x >= 1.0:
+        return float(x >= 1.0)
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return front * _beta_fraction(x, a, b) / a
+    return 1.0 - front * _beta_fraction(1.0 - x, b, a) / b
+
+
+def student_t_sf(t: float, df: float) -> float:
+    """P(T > t) for Student's t with ``df`` degrees of freedom."""
+    tail = 0.5 * incomplete_beta(df / (df + t * t), df / 2.0, 0.5)
+    return tail if t >= 0 else 1.0 - tail
+
+
+def student_t_isf(p: float, df: float) -> float:
+    """The t with P(T > t) = p (0 < p < 0.5), by bisection on :func:`student_t_sf`."""
+    lo, hi = 0.0, 1.0
+    while student_t_sf(hi, df) > p:
+        lo, hi = hi, 2.0 * hi
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if student_t_sf(mid, df) > p else (lo, mid)
+    return 0.5 * (lo + hi)

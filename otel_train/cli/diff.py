@@ -1,15 +1,16 @@
-"""``otel-train diff PATH_A PATH_B [--json]``: run B against run A, per phase and per rank x phase."""
+"""``otel-train diff PATH_A PATH_B [--json] [--baseline PATH ...]``: run B against run A, per phase and per rank x
+phase (and, with more runs of A, against their spread)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import typer
 
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import RUN_ID_HELP, cli_errors, fmt_ms, load, print_json, select_run
+from otel_train.cli._common import RUN_ID_HELP, cli_errors, fail, fmt_ms, load, print_json, select_run
 from otel_train.cli._remember import remembered
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
@@ -17,6 +18,8 @@ if TYPE_CHECKING:  # rich and the analysis are imported where they are used: sta
 
 SHOWN = 20
 DEFAULT_MAX_P, DEFAULT_MIN_PCT, DEFAULT_MIN_MS = 0.01, 5.0, 0.5
+MIN_BASELINES = 2
+"""otel_train.analysis.diff.MIN_RUNS - 1 (checked by tests/test_cli_imports.py, like the thresholds)."""
 """otel_train.analysis.diff.Thresholds' defaults, without importing the analysis (numpy) at start-up
 (tests/test_cli_imports.py checks that the two agree)."""
 
@@ -34,21 +37,31 @@ def diff(
     steps: Optional[str] = typer.Option(None, "--steps", metavar="A-B",
                                         help="Only steps A..B (inclusive), read at the window's cost."),
     no_cache: bool = typer.Option(False, "--no-cache", help="Neither use nor fill the run's read cache."),
+    baseline: Optional[List[Path]] = typer.Option(
+        None, "--baseline", metavar="PATH",
+        help=f"Another run of A's kind (repeat; at least {MIN_BASELINES}): a change all ranks share must also lie "
+             "outside the spread of A's runs (Student's t at --max-p)."),
 ) -> None:
     """Did B get slower? p50/p95 per phase and per rank x phase in both runs, the change and its
     significance; regressions and improvements that are significant and big enough."""
+    more = list(baseline or [])
     with cli_errors():
         select_run(run_id)
+        if 0 < len(more) < MIN_BASELINES:
+            fail(f"--baseline given {len(more)} time(s): the spread of A's runs needs at least {MIN_BASELINES} "
+                 f"more runs of A (repeat --baseline), or none")
 
         def compute() -> dict[str, Any]:
             from otel_train.analysis.diff import Thresholds, diff_runs
 
             a = load(path_a, "reading A", steps=steps, cache=not no_cache)
             b = load(path_b, "reading B", steps=steps, cache=not no_cache)
-            return diff_runs(a, b, Thresholds(max_p, min_pct, min_ms))
+            extra = [load(p, f"reading baseline {i + 1}", steps=steps, cache=not no_cache) for i, p in enumerate(more)]
+            return diff_runs(a, b, Thresholds(max_p, min_pct, min_ms), baselines=extra)
 
-        result = remembered("diff", [path_a, path_b], {"max_p": max_p, "min_pct": min_pct, "min_ms": min_ms,
-                                                      "steps": steps, "run_id": run_id}, compute, enabled=not no_cache)
+        result = remembered("diff", [path_a, path_b, *more], {"max_p": max_p, "min_pct": min_pct, "min_ms": min_ms,
+                                                             "steps": steps, "run_id": run_id}, compute,
+                            enabled=not no_cache)
         if as_json:
             print_json(result)
         else:
@@ -89,6 +102,9 @@ def _render(result: dict[str, Any], out: Console) -> None:
     out.print(f"B against A {aligned}; a finding needs p < {th['max_p']:g}, >= {th['min_pct']:g} % and "
               f">= {th['min_ms']:g} ms (Mann-Whitney U; a collective phase is judged on its own time, "
               f"without the waiting)", highlight=False)
+    if result.get("a_runs", 1) > 1:
+        out.print(f"A change of all ranks must also lie outside the spread of the {result['a_runs']} runs of A "
+                  f"(Student's t at p < {th['max_p']:g})", highlight=False)
     for f in result["findings"]:
         out.print(Text.assemble((f["kind"], "bold"), f": {f['message']}"))
     undecided = result.get("undecided") or []
