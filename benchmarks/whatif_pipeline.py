@@ -26,9 +26,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import numpy as np  # noqa: E402
+from step_times import step_ms  # noqa: E402  (the test's own reading of the step times)
+
 EXAMPLE = ROOT / "examples" / "train_parallel.py"
 RUNS = {
     "clean": (),
@@ -51,18 +54,6 @@ def whatif(save: Path) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-m", "otel_train.cli", "whatif", str(save), "--method", "typical",
                            "--json"], check=True, capture_output=True, text=True, timeout=600)
     return json.loads(done.stdout)
-
-
-def step_ms(save: Path) -> dict[int, float]:
-    """Step -> its measured time (ms): the latest step-span end over ranks minus the step before's."""
-    ends: dict[int, float] = {}
-    for f in (save / "structured_logs").glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if r.get("kind") == "span_end" and r.get("name") == "step" and r.get("step") is not None:
-                ends[r["step"]] = max(ends.get(r["step"], 0.0), r["ts"])
-    steps = sorted(ends)
-    return {s: (ends[s] - ends[p]) * 1000.0 for p, s in zip(steps, steps[1:]) if s == p + 1}
 
 
 def culprit_right(name: str, w: dict[str, Any]) -> bool:

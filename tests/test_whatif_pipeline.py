@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from step_times import step_ms
 from typer.testing import CliRunner
 
 from otel_train.cli import app
@@ -73,18 +74,6 @@ def _whatif(path: Path) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-def _step_ms(path: Path) -> dict[int, float]:
-    """Step -> its measured time (ms): the latest step-span end over ranks minus the step before's."""
-    ends: dict[int, float] = {}
-    for f in (path / "structured_logs").glob("*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if r.get("kind") == "span_end" and r.get("name") == "step" and r.get("step") is not None:
-                ends[r["step"]] = max(ends.get(r["step"], 0.0), r["ts"])
-    steps = sorted(ends)
-    return {s: (ends[s] - ends[p]) * 1000.0 for p, s in zip(steps, steps[1:]) if s == p + 1}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pipeline")
@@ -92,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {"load": load}
     for name, args in RUNS.items():
         _job(root / name, args)
-        out[name] = {"whatif": _whatif(root / name), "steps": _step_ms(root / name)}
+        out[name] = {"whatif": _whatif(root / name), "steps": step_ms(root / name)}
     return out
 
 
