@@ -18,7 +18,7 @@ from otel_train import schema
 from otel_train.analysis.clock import Clock, HostClock, estimate
 from otel_train.analysis.comm import CommGraph, CommOp, Group
 from otel_train.analysis.export import export
-from otel_train.analysis.live import LiveRun
+from otel_train.analysis.live import UNNAMED_HOLD_S, LiveRun
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize, summarize_run
 from otel_train.analysis.clock import raw_clock
@@ -372,7 +372,8 @@ def test_watch_makes_no_false_hang_from_clocks_seconds_behind(tmp_path: Path) ->
     offsets = {"a": -5.0, "b": -4.0}
     assert [f["kind"] for f in _live_job(tmp_path / "aligned", offsets, 3.0)] == ["clock_skew"]
     # The same job read on raw clocks: every span looks 4 s old, a stall that is none.
-    raw = _live_job(tmp_path / "raw", offsets, 3.0, align=False)
+    # (It names no rank, so watch raises it once it has stood for UNNAMED_HOLD_S.)
+    raw = _live_job(tmp_path / "raw", offsets, 4.0 + UNNAMED_HOLD_S, align=False)
     assert "hang" in [f["kind"] for f in raw]
 
 

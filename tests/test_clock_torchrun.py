@@ -139,7 +139,7 @@ def test_faketime_hang_culprit_is_the_honest_one_and_watch_sees_it(tmp_path: Pat
     live = [e["finding"] for e in events if e.get("type") == "finding"]
     hangs = [f for f in live if f["kind"] == "hang"]
     assert watch.returncode == 3 and hangs, (out[-3000:], err[-3000:])
-    assert (hangs[0]["rank"], hangs[0]["victims"]) == (1, [0, 2, 3]), hangs[0]
+    assert (hangs[0]["rank"], hangs[0]["victims"]) == (1, [0, 2, 3]), (json.dumps(hangs[0]), out[-3000:])
     assert [f["kind"] for f in live if f["kind"] not in ("clock_skew", "hang")] == []  # no false finding before
     skewed = summarize(save)
     _check_clock(skewed, 12 * 0.1, samples=4)

@@ -87,6 +87,11 @@ SKEW_APPLY_S = 0.5
 times say is on a clock of its own: its times are compared with watch's own clock shifted by that."""
 FR_POLL_S = 5.0
 """How often the Flight Recorder dump directory is looked at for new or changed dumps."""
+UNNAMED_HOLD_S = FR_POLL_S + 1.0
+"""A hang that names no rank (every waiter's op issued by every member, or ranks that wait for each
+other) is raised only once it has been the answer this long, while a process of its attempt still
+lives: the views it comes from (each rank's file, each rank's dump, read at different moments) may
+still be catching up with a culprit. A run whose processes all ended or died gets it at once."""
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 _OK_END = (schema.STATUS_OK, None)
@@ -389,6 +394,7 @@ class LiveRun:
         self.procs: dict[tuple[str, int, str], LiveProcess] = {}
         self.raised: list[dict[str, Any]] = []  # every finding raised, in order
         self._keys: set[tuple[Any, ...]] = set()
+        self._unnamed: dict[Any, float] = {}  # attempt -> when a hang naming no rank was first the answer
         self._active: dict[tuple[Any, ...], tuple[float, dict[str, Any]]] = {}  # hangs and stragglers
         self._pfs: dict[tuple[str, int, str], ProcessFiles] = {}
         self._run: str | None = None  # the run watched, once known (docs/analysis.md, "Several runs in one directory")
@@ -712,12 +718,18 @@ class LiveRun:
     def _premature(self, f: dict[str, Any], groups: dict[tuple[str, int], list[LiveProcess]],
                    running: set[ProcessState], now: float) -> bool:
         """Findings that must wait: a collective failure while its group still runs (its culprit is
-        usually another rank, not yet known); a crash that is the echo of a hang already raised; with
+        usually another rank, not yet known); a crash that is the echo of a hang already raised; a hang
+        that names no rank, for :data:`UNNAMED_HOLD_S`; with
         ``stacks``, a hang whose culprit's watchdog is about to write its stall record (the stacks)."""
         if f["kind"] == ERROR and is_collective_failure("", f["message"]):
             return any(lp.state in running for lp in _of_attempt(groups, f["attempt"]))
         if f["kind"] == CRASH:
             return (HANG, f["attempt"], f["rank"], None) in self._keys
+        if f["kind"] == HANG and f.get("rank") is None and any(not lp.finished for lp in _of_attempt(groups, f["attempt"])):
+            since = self._unnamed.setdefault(f["attempt"], now)
+            if now - since < UNNAMED_HOLD_S:
+                self._dirty = True  # ask again at the next poll: a culprit may be named by then
+                return True
         if f["kind"] == HANG and self.stacks and "stacks" not in f:
             culprit = self._culprit(f)
             if culprit is not None and culprit.awaiting_stall_record(now):
