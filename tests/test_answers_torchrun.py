@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from conftest import ReadRecords
-from contention import cpu_waits, excess_over_peers, starved, starved_by
+from contention import cpu_waits, excess_over_peers, machine_made, starved_by
 
 from otel_train.analysis.diff import diff_runs
 from otel_train.analysis.spans import load_run
@@ -134,8 +134,9 @@ def test_summarize_names_the_straggler_with_its_cost(runs: dict[str, Path], read
     assert f["p_value"] < 1e-6 and f["excess_ms"] == pytest.approx(SLOW_MS, rel=0.3)
     assert f["cost_ms"] == pytest.approx(SLOW_MS, rel=0.3) and 0 < f["cost_pct"] < 100
     if calm(runs):  # anything else named is the machine's doing, with the kernel's word (tests/contention.py)
-        waits = cpu_waits(read_records(runs["straggler"]))
-        assert [g["message"] for g in found if g is not f and not starved(g, waits)] == []
+        records = read_records(runs["straggler"])
+        waits = cpu_waits(records)
+        assert [g["message"] for g in found if g is not f and not machine_made(g, waits, records)] == []
 
 
 def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
@@ -174,11 +175,15 @@ def test_no_straggler_in_clean_runs_under_cpu_contention(runs: dict[str, Path], 
     # Two jobs and a busy loop on two cores: every rank is descheduled now and then. When the scheduler
     # keeps one rank beside the busy loop for the whole run, that rank is a real straggler, as a rank on a
     # host with a noisy neighbour is: it is named only with the kernel's word (its schedstat run delay)
-    # that it waited for a CPU, step after step, about as long as it was late.
+    # that it waited for a CPU, step after step, about as long as it was late, or, named by its arrivals,
+    # when the raw comm spans show it last at its collectives (CI: rank 1 of busy_b last at 57 of 63 by
+    # 1.3 ms, with no longer a run delay than its peer's: a virtual CPU's stolen time is no run delay).
     for name in ("busy_a", "busy_b", *(("clean", "clean_2") if calm(runs) else ())):
         found = [f for f in summarize(runs[name], warn=pytest.fail)["findings"] if f["kind"] == "straggler"]
-        waits = cpu_waits(read_records(runs[name]))
-        unexplained = [(f["rank"], f["message"], starved_by(waits, f["rank"])) for f in found if not starved(f, waits)]
+        records = read_records(runs[name])
+        waits = cpu_waits(records)
+        unexplained = [(f["rank"], f["message"], starved_by(waits, f["rank"])) for f in found
+                       if not machine_made(f, waits, records)]
         assert unexplained == [], (name, unexplained)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 from conftest import _read
-from contention import cpu_waits, starved
+from contention import cpu_waits, machine_made
 
 from otel_train.analysis.fast import summarize_fast
 from otel_train.analysis.summary import summarize
@@ -107,10 +107,12 @@ def blamed(summary: dict[str, Any], save: Path) -> set[int]:
     """Ranks named by a hang, desync or straggler finding (victims must never be). A straggler the machine
     made, with the kernel's word that it waited for a CPU about as long as it was late, is no victim named:
     beside a busy loop, 3 ranks on 2 cores, a desync run's rank 1 was last at all 9 collectives before the
-    fault, 1.5 ms late (tests/contention.py; DDP jobs log their wait with ``--cpu-wait``)."""
-    waits = cpu_waits(_read(save, torn_ok=4))  # a kill may tear each rank's last line
+    fault, 1.5 ms late (tests/contention.py; DDP jobs log their wait with ``--cpu-wait``). So is one named by
+    its arrivals that the raw records show last, consistently, before the fault."""
+    records = _read(save, torn_ok=4)  # a kill may tear each rank's last line
+    waits = cpu_waits(records)
     return {f["rank"] for f in summary["findings"] if f["kind"] in ("hang", "desync", "straggler")
-            and not (f["kind"] == "straggler" and starved(f, waits))}
+            and not (f["kind"] == "straggler" and machine_made(f, waits, records))}
 
 
 @pytest.fixture(scope="module")
