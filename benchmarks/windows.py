@@ -1,6 +1,6 @@
 """Windows and repeat reads (issue 20), process to process, with the machine's load beside every figure.
 
-Two parts (``--parts``, default both):
+Three parts (``--parts``, default all):
 
 * ``repeat``: on the 16-rank x 4000-step run of ``analysis_throughput.py`` (320 MB), each command read
   first (the run's ``.otel-train-cache/`` removed) and then again: ``summarize``, ``stats``, ``whatif``,
@@ -10,13 +10,16 @@ Two parts (``--parts``, default both):
 * ``windows``: a 10-step ``--steps`` window of ``summarize --json`` and ``export -f perfetto`` (cache
   removed first) on the 320 MB run and on the 1,024-rank scale simulation (``scale_sim.py``) at two
   sizes ``--factor`` apart: the target is <= 2 s whatever the file size.
+* ``whatif``: ``whatif --json`` and ``diff A A --json`` on a 200-step ``--steps`` window of the 320 MB run
+  against the same command on the whole run (cache removed before each): issue 17's target is a
+  ``whatif`` window in <= 0.2x the full run's time.
 
 Every row is the median (and range) of ``--repeat`` rounds, interleaved, with the 1-minute load average
 before and after the row (other work on this shared VM moves the seconds). A remembered result is
 kept for the code that made it: while the package's sources are being edited, time a frozen copy
 (``--cli``) or every second read is a first one.
 
-    .venv/bin/python benchmarks/windows.py [--parts repeat,windows] [--repeat 3] [--kib 128] [--factor 8]
+    .venv/bin/python benchmarks/windows.py [--parts repeat,windows,whatif] [--repeat 3] [--kib 128] [--factor 8]
 """
 
 from __future__ import annotations
@@ -88,6 +91,37 @@ def windows_round(runs: list[tuple[str, Path, int]], out: Path, env: dict[str, s
     return got
 
 
+WHATIF_WINDOW = (1900, 2099)
+"""The 200-step window of the 16-rank x 4000-step run that issue 17 times (its middle)."""
+
+
+def whatif_round(run: Path, env: dict[str, str]) -> dict[str, float]:
+    """One round: ``whatif`` and ``diff A A`` on the whole run, then on the 200-step window (cache removed)."""
+    got: dict[str, float] = {}
+    window = "%d-%d" % WHATIF_WINDOW
+    for what, args in (("whatif --json", ["whatif", str(run), "--json"]),
+                       ("diff A A --json", ["diff", str(run), str(run), "--json"])):
+        for label, extra in (("whole run", []), (f"--steps {window}", ["--steps", window])):
+            _clear(run)
+            got[f"`{what}`, {label}"] = cli(*args, *extra, env=env)[0]
+    return got
+
+
+def whatif_table(rows: list[Row]) -> list[str]:
+    secs = {what: s for what, s, _ in rows}
+    out = ["| 320 MB, 16 ranks × 4000 steps (CLI, cache removed) | seconds | × the whole run | load (1 min) | target |",
+           "|---|---:|---:|---:|---|"]
+    for what, s, load in rows:
+        ratio, target = "", ""
+        if "--steps" in what:
+            ratios = [a / b for a, b in zip(s, secs[what.rpartition(", ")[0] + ", whole run"])]
+            ratio = _spread(ratios) + "×"
+            if what.startswith("`whatif"):
+                target = f"≤ 0.2×: **{'met' if statistics.median(ratios) <= 0.2 else 'missed'}**"
+        out.append(f"| {what} | {_spread(s)} | {ratio} | {min(load):.1f} – {max(load):.1f} | {target} |")
+    return out
+
+
 def rounds(fn, repeat: int) -> list[Row]:  # type: ignore[no-untyped-def]
     """``fn()`` ``repeat`` times: per row its seconds and the load before and after each round."""
     seconds: dict[str, list[float]] = {}
@@ -130,7 +164,7 @@ def _size(run: Path) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="repeat,windows")
+    parser.add_argument("--parts", default="repeat,windows,whatif")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--kib", type=int, default=128, help="KiB per rank of the smaller 1,024-rank run")
     parser.add_argument("--factor", type=int, default=8)
@@ -163,6 +197,8 @@ def main() -> None:
             runs.append((label, big, steps // 2 - 5))
             sizes[label] = f"1,024 ranks × {steps} steps, {_size(big):.0f} MB"
         print("\n".join(windows_table(rounds(lambda: windows_round(runs, out, env), args.repeat), sizes)))
+    if "whatif" in parts:
+        print("\n".join(whatif_table(rounds(lambda: whatif_round(run, env), args.repeat))))
     for f in out.glob("repeat.*"):
         f.unlink()
 

@@ -19,7 +19,17 @@ from otel_train import schema
 from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER, STEP
 
 DEFAULT_PHASES = {DATA_FETCH: 5.0, FORWARD: 20.0, BACKWARD: 40.0, OPTIMIZER: 5.0}
-_FAST = msgspec.json.Encoder()
+
+
+def _plain(value: object) -> object:
+    """A numpy scalar (a simulated duration) as the Python number it holds, for msgspec."""
+    item = getattr(value, "item", None)
+    if item is None:
+        raise TypeError(f"cannot encode {type(value).__name__}")
+    return item()
+
+
+_FAST = msgspec.json.Encoder(enc_hook=_plain)
 
 
 def _finite(value: object) -> bool:
@@ -36,13 +46,15 @@ def _finite(value: object) -> bool:
 def _encode(rec: dict) -> str:
     """One record as the JSONL sink writes it (msgspec, as the runtime's writer); ``json.dumps`` where
     msgspec would change or refuse what a test wrote on purpose: NaN and infinity (hostile-input tests
-    write them raw), a lone surrogate, an int past 64 bits."""
-    if _finite(rec):
-        try:
-            return _FAST.encode(rec).decode()
-        except (UnicodeEncodeError, OverflowError, TypeError):
-            pass
-    return json.dumps(rec, separators=(",", ":"))
+    write them raw; msgspec writes them as null, so only a record whose line has a null is searched for
+    them), a lone surrogate, an int past 64 bits."""
+    try:
+        line = _FAST.encode(rec)
+    except (UnicodeEncodeError, OverflowError, TypeError):
+        return json.dumps(rec, separators=(",", ":"))
+    if b"null" in line and not _finite(rec):
+        return json.dumps(rec, separators=(",", ":"))
+    return line.decode()
 
 
 @dataclass

@@ -29,6 +29,10 @@ pytestmark = [
 ]
 LOAD_TIMEOUT_MS = 60_000
 QUERY_TIMEOUT_MS = 15_000
+QUERY_WAITS_MS = (2_000, 4_000, 8_000, QUERY_TIMEOUT_MS, QUERY_TIMEOUT_MS)
+"""How long each try of a query waits for its result before typing it again. A query typed while the UI
+is still settling is sometimes lost (no result ever comes: 15 s lost a try, then answered in 0.1 s), so
+the first tries are short; a query that is merely slow under load still gets the long ones."""
 
 
 class _UIHandler(http.server.SimpleHTTPRequestHandler):
@@ -99,7 +103,7 @@ def sql(page, query: str, alias: str) -> int:
     """Run ``query`` (one integer column named ``alias``) in the omnibox's SQL mode; its value."""
     box = page.locator(".pf-omnibox input")
     header = page.locator(".pf-query-panel th", has_text=alias).first
-    for _ in range(3):
+    for wait_ms in QUERY_WAITS_MS:
         box.click()
         if page.locator(".pf-omnibox--query-mode").count() == 0:
             page.keyboard.type(":")
@@ -107,7 +111,7 @@ def sql(page, query: str, alias: str) -> int:
         box.fill(query)
         box.press("Enter")
         try:
-            header.wait_for(timeout=QUERY_TIMEOUT_MS)
+            header.wait_for(timeout=wait_ms)
             break
         except Exception:  # noqa: BLE001 - the engine was still busy; type the query again
             continue

@@ -100,9 +100,8 @@ def block_medians(x: np.ndarray) -> np.ndarray:
     if x.size == 0:
         return x
     size = max(BLOCK_MIN, math.ceil(2.0 * autocorrelation_time(x)), math.ceil(x.size / MAX_BLOCKS))
-    count = max(1, x.size // size)
-    edges = [i * size for i in range(count)] + [x.size]
-    return np.array([np.median(x[lo:hi]) for lo, hi in zip(edges, edges[1:])])
+    whole = (max(1, x.size // size) - 1) * size  # the blocks before the last, all ``size`` long
+    return np.append(np.median(x[:whole].reshape(-1, size), axis=1), np.median(x[whole:]))
 
 
 def _block_p(a: np.ndarray, b: np.ndarray) -> tuple[float, list[int]]:
