@@ -144,15 +144,18 @@ def test_diff_finds_the_slowed_rank_and_phase(runs: dict[str, Path]) -> None:
     fewer than 5 independent blocks remain: seen once at 40 steps, tau 6.4 from a slower second
     third) the same change listed as undecided. Never "no change"."""
     out = diff_runs(load_run(runs["clean"]), load_run(runs["straggler"]))
-    # Undecided rows are listed largest change first, and may include what happened once per process: a
-    # fresh-clone run had rank 0's build.data (one block in each run: never judged) +39.7 ms before the
-    # straggler's data_fetch (+30.1 ms, blocks 8 and 3), and no finding.
-    named = out["findings"] or [{"kind": "undecided", **u} for u in out["undecided"]]
+    # Judged and undecided rows together: a fresh-clone run had the straggler's data_fetch undecided
+    # (too few blocks) beside a finding on rank 0's optimizer (0.34 -> 0.88 ms at the median: two real
+    # runs side by side differ for real); another had rank 0's once-per-process build.data (one block a
+    # side: never judged) +39.7 ms first among the undecided rows.
+    named = out["findings"] + [{"kind": "undecided", **u} for u in out["undecided"]]
     mine = [f for f in named if (f["rank"], f["phase"]) == (SLOW_RANK, DATA_FETCH)]
     assert mine and mine[0]["kind"] in ("regression", "undecided"), (out["findings"], out["undecided"])
     assert mine[0]["delta_ms"] == pytest.approx(SLOW_MS, rel=0.3)
-    if out["findings"]:  # when anything is judged, the straggler's change is the first finding
+    if mine[0]["kind"] == "regression":  # judged: the largest change, so the first finding
         assert out["findings"][0] is mine[0], out["findings"]
+    # Anything else judged is what two real runs differ by: under the stated tolerance (see below).
+    assert all(abs(f["delta_ms"]) < CLEAN_TOLERANCE_MS for f in out["findings"] if f is not mine[0]), out["findings"]
     # Rank 0 now waits ~30 ms longer in backward's all-reduce: shown, but that waiting is no finding.
     waited = next(r for r in out["ranks"] if (r["rank"], r["phase"]) == (0, BACKWARD))
     assert waited["b_p50_ms"] - waited["a_p50_ms"] > 0.6 * SLOW_MS
