@@ -108,17 +108,27 @@ def whatif_round(run: Path, env: dict[str, str]) -> dict[str, float]:
 
 
 def whatif_table(rows: list[Row]) -> list[str]:
+    def ratio(what: str, secs: dict[str, list[float]]) -> list[float]:
+        whole = secs[what.rpartition(", ")[0] + ", whole run"]
+        return [a / b for a, b in zip(secs[what], whole)] if "--steps" in what else []
+
+    def target(what: str, mid: float) -> str:
+        return f"≤ 0.2×: **{'met' if mid <= 0.2 else 'missed'}**" if what.startswith("`whatif") else ""
+
+    return _ratio_table(rows, "| 320 MB, 16 ranks × 4000 steps (CLI, cache removed) | seconds | × the whole run "
+                              "| load (1 min) | target |", ratio, target, ".2f")
+
+
+def _ratio_table(rows: list[Row], header: str, ratio, target, fmt: str) -> list[str]:  # type: ignore[no-untyped-def]
+    """Rows with their seconds, a ratio per round (``ratio(what, seconds by row)``; none: empty) and the
+    target ``target(what, median ratio)`` says."""
     secs = {what: s for what, s, _ in rows}
-    out = ["| 320 MB, 16 ranks × 4000 steps (CLI, cache removed) | seconds | × the whole run | load (1 min) | target |",
-           "|---|---:|---:|---:|---|"]
+    out = [header, "|---|---:|---:|---:|---|"]
     for what, s, load in rows:
-        ratio, target = "", ""
-        if "--steps" in what:
-            ratios = [a / b for a, b in zip(s, secs[what.rpartition(", ")[0] + ", whole run"])]
-            ratio = _spread(ratios) + "×"
-            if what.startswith("`whatif"):
-                target = f"≤ 0.2×: **{'met' if statistics.median(ratios) <= 0.2 else 'missed'}**"
-        out.append(f"| {what} | {_spread(s)} | {ratio} | {min(load):.1f} – {max(load):.1f} | {target} |")
+        ratios = ratio(what, secs)
+        shown = _spread(ratios, fmt) + "×" if ratios else ""
+        goal = target(what, statistics.median(ratios)) if ratios else ""
+        out.append(f"| {what} | {_spread(s)} | {shown} | {min(load):.1f} – {max(load):.1f} | {goal} |")
     return out
 
 
@@ -135,18 +145,15 @@ def rounds(fn, repeat: int) -> list[Row]:  # type: ignore[no-untyped-def]
 
 
 def repeat_table(rows: list[Row]) -> list[str]:
-    secs = {what: s for what, s, _ in rows}
-    out = ["| what (320 MB, 16 ranks × 4000 steps) | seconds | second read × faster | load (1 min) | target |",
-           "|---|---:|---:|---:|---|"]
-    for what, s, load in rows:
-        speed, target = "", ""
-        if what.endswith("second read"):
-            first = secs[what.replace("second read", "first read")]
-            ratios = [a / b for a, b in zip(first, s)]
-            speed = _spread(ratios, ".1f") + "×"
-            target = f"≥ 5×: **{'met' if statistics.median(ratios) >= 5 else 'missed'}**"
-        out.append(f"| {what} | {_spread(s)} | {speed} | {min(load):.1f} – {max(load):.1f} | {target} |")
-    return out
+    def ratio(what: str, secs: dict[str, list[float]]) -> list[float]:
+        first = secs.get(what.replace("second read", "first read")) if what.endswith("second read") else None
+        return [a / b for a, b in zip(first, secs[what])] if first else []
+
+    def target(what: str, mid: float) -> str:
+        return f"≥ 5×: **{'met' if mid >= 5 else 'missed'}**"
+
+    return _ratio_table(rows, "| what (320 MB, 16 ranks × 4000 steps) | seconds | second read × faster "
+                              "| load (1 min) | target |", ratio, target, ".1f")
 
 
 def windows_table(rows: list[Row], sizes: dict[str, str]) -> list[str]:
