@@ -109,8 +109,9 @@ def whatif_round(run: Path, env: dict[str, str]) -> dict[str, float]:
 
 def whatif_table(rows: list[Row]) -> list[str]:
     def ratio(what: str, secs: dict[str, list[float]]) -> list[float]:
-        whole = secs[what.rpartition(", ")[0] + ", whole run"]
-        return [a / b for a, b in zip(secs[what], whole)] if "--steps" in what else []
+        if "--steps" not in what:
+            return []
+        return [a / b for a, b in zip(secs[what], secs[what.rpartition(", ")[0] + ", whole run"])]
 
     def target(what: str, mid: float) -> str:
         return f"≤ 0.2×: **{'met' if mid <= 0.2 else 'missed'}**" if what.startswith("`whatif") else ""

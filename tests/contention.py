@@ -22,6 +22,7 @@ import math
 import statistics
 from typing import Any
 
+from otel_train import schema
 from otel_train.analysis.findings import ARRIVAL_MIN_GAP_MS, ARRIVAL_MIN_SHARE
 
 STARVED_SHARE = 0.5
@@ -78,11 +79,12 @@ def arrivals_show(finding: dict[str, Any], records: list[dict[str, Any]]) -> boo
     starts: dict[int, dict[int, float]] = {}
     for r in records:
         attrs = r.get("attrs") or {}
-        if r.get("kind") == "instant" and r.get("name") == "comm.group" and attrs.get("group") == group:
+        if r.get("kind") == schema.INSTANT and r.get("name") == schema.INSTANT_COMM_GROUP and attrs.get("group") == group:
             members = set(attrs.get("ranks") or ())
-        elif (r.get("kind") == "span_start" and str(r.get("name", "")).startswith("comm.") and r.get("step") is not None
-              and attrs.get("comm.group") == group and "comm.peer" not in attrs):
-            starts.setdefault(attrs["comm.seq"], {})[r["rank"]] = r["ts"]
+        elif (r.get("kind") == schema.SPAN_START and str(r.get("name", "")).startswith(schema.COMM_PREFIX)
+              and r.get("step") is not None and attrs.get(schema.ATTR_COMM_GROUP) == group
+              and schema.ATTR_COMM_PEER not in attrs):
+            starts.setdefault(attrs[schema.ATTR_COMM_SEQ], {})[r["rank"]] = r["ts"]
     full = [s for s in starts.values() if members and set(s) == members]
     gaps = []
     for s in full:
