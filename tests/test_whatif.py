@@ -10,7 +10,7 @@ from sync_sim import Times, base, simulate
 
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.whatif import UNTRACED, sync_table, whatif
-from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER
+from otel_train.phases import BACKWARD, DATA_FETCH, FORWARD, OPTIMIZER, STEP
 
 def run_of(tmp_path: Path, times: Times, world: int = 4, steps: int = 21, **proc: object) -> dict:
     procs = [Proc(rank=r, world_size=world, **proc) for r in range(world)]  # type: ignore[arg-type]
@@ -213,3 +213,67 @@ def test_whatif_cli_json_text_and_exit_codes(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     empty = CliRunner().invoke(app, ["whatif", str(tmp_path / "empty")])
     assert empty.exit_code == 2 and empty.stderr.startswith("error:") and len(empty.stderr.splitlines()) == 1
+
+
+def _unsynchronized(procs: list[Proc], steps: int) -> None:
+    """Data-parallel-looking steps whose backward waits for nobody: each rank leaves it after its own
+    30 ms, and rank r's forward takes 20 + 4 r ms, so the ranks drift apart by 4 ms a step."""
+    for s in range(steps):
+        for p in procs:
+            p.set_step(s)
+            p.start(STEP)
+            for name, ms in ((DATA_FETCH, 5.0), (FORWARD, 20.0 + 4.0 * p.rank), (BACKWARD, 30.0), (OPTIMIZER, 5.0)):
+                p.start(name)
+                p.advance(ms)
+                p.end()
+            p.end()
+    for p in procs:
+        p.shutdown()
+
+
+@pytest.mark.parametrize("method", ["peers", "typical"])
+def test_a_sync_phase_that_does_not_synchronise_is_named_not_replayed(tmp_path: Path, method: str) -> None:
+    """The benchmark's synthetic run had independent ranks: whatif answered an ideal of -438 ms. A
+    group whose collectives do not make every rank wait for the last is left out and named."""
+    procs = [Proc(rank=r, world_size=4) for r in range(4)]
+    _unsynchronized(procs, 30)
+    write_run(tmp_path, procs)
+    out = whatif(load_run(tmp_path, warn=pytest.fail), method=method)
+    assert out["steps"] == 0 and out["step_ms"]["ideal"] is None and out["slowdown"] is None
+    (u,) = out["unsynchronized"]
+    assert u["ranks"] == [0, 1, 2, 3] and u["sync"] == [BACKWARD]
+    assert u["share"] > 0.5 and u["early_ms"] > 4.0
+
+
+def test_synchronised_runs_have_nothing_left_out(tmp_path: Path) -> None:
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        t[FORWARD] = 20.0 + 4.0 * rank  # the same drift as above, absorbed by the all-reduce
+        return t
+
+    for method in ("peers", "typical"):
+        out = run_of(tmp_path / method, times) if method == "peers" else _typical_of(tmp_path / method, times)
+        assert out["unsynchronized"] == [] and out["steps"] == 20
+        assert out["step_ms"]["ideal"] > 0
+
+
+def _typical_of(tmp_path: Path, times: Times) -> dict:
+    procs = [Proc(rank=r, world_size=4) for r in range(4)]
+    simulate(procs, 21, times)
+    write_run(tmp_path, procs)
+    return whatif(load_run(tmp_path, warn=pytest.fail), method="typical")
+
+
+def test_the_cli_says_why_a_group_is_left_out(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    procs = [Proc(rank=r, world_size=4) for r in range(4)]
+    _unsynchronized(procs, 30)
+    write_run(tmp_path / "run", procs)
+    text = CliRunner().invoke(app, ["whatif", str(tmp_path / "run"), "--no-cache"])
+    assert text.exit_code == 0, text.output
+    said = " ".join(text.stdout.split())  # the console wraps at its width
+    assert said.startswith("What-if left out ranks 0-3: backward does not synchronise them")
+    assert "--sync names the phase" in said.split("What-if:")[0] and "no steps to replay" in said

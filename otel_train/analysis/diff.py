@@ -181,7 +181,7 @@ def _own_times(run: Run, steps: np.ndarray | None, sync: Sequence[str]) -> Keyed
     out: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray]]] = {}
     for group in run.groups():
         table = sync_table(group, sync)
-        if table is None:
+        if table is None or table.unsynchronized() is not None:
             continue
         prev = table.keys[:-1]
         for i, name in enumerate(table.sync):

@@ -528,7 +528,7 @@ def _with_costs(group: Sequence[ProcessState], found: list[dict[str, Any]], wind
     if not found:
         return found
     table = sync_table(group, window=window, clock=clock if clock is not None and clock.applied else None)
-    if table is None:
+    if table is None or table.unsynchronized() is not None:  # the model does not apply: no cost claimed
         return found
     s = scenarios(table)
     actual = float(s.actual.mean())

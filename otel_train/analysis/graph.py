@@ -55,6 +55,13 @@ UNTRACED = "(untraced)"
 Window = tuple[int, int]
 RESOLUTION_MS = 0.002
 """Records keep µs timestamps and 1/1000 ms durations: ends and starts this close touch."""
+UNSYNCED_SLACK_MS = 1.0
+"""A member that ends a collective (a recv: its send) more than this before the last member arrived
+shows that the op does not synchronise its members, or that the clocks compared are off by more than
+the causal bounds of docs/clock.md allow."""
+UNSYNCED_SHARE = 0.1
+"""The replay's model does not apply to a group when more than this share of its waiting ops (or
+collectives of the sync phase) ended that early: its answers would be nonsense (a negative ideal)."""
 
 # Node kinds
 PIECE, ARRIVE, JOIN, END, EXIT = range(5)
@@ -107,6 +114,7 @@ class Graph:
     plans: dict[Any, Any] = field(default_factory=dict, repr=False)
     block_plans: dict[int, Any] = field(default_factory=dict, repr=False)  # block -> its plan (one of plans)
     terms: Any = field(default=None, repr=False)  # the weights' typical sums and deltas (see _weights)
+    early: np.ndarray = field(default_factory=lambda: np.empty(0))  # per timed waiting op: ms it ended before its join was ready
 
     @property
     def fixed(self) -> int:
@@ -732,8 +740,20 @@ def build(group: Sequence[ProcessState], clock: Clock | None = None, window: Win
     graph.kind = kinds[np.argsort(np.searchsorted(graph.steps, blocks).astype(np.int16 if graph.steps.size < (1 << 15)
                                                                            else np.int64), kind="stable")]
     graph.mesh = {i: dict(d.mesh) for i, d in enumerate(group) if d.mesh}
+    # An op that ended where it started (a Flight Recorder entry without its completion time) tells no end.
+    timed = jn.waits & (flat.o_end - flat.o_start > RESOLUTION_MS)
+    graph.early = -jn.transfer[timed]
     graph.collective = {phases[int(i)] for i in np.unique(flat.o_name)}
     return graph
+
+
+def unsynchronized(early_ms: np.ndarray) -> dict[str, float] | None:
+    """None when the ops synchronise their members; else ``{"share", "early_ms"}``: the share of
+    them whose member ended more than :data:`UNSYNCED_SLACK_MS` before the last arrival (over
+    :data:`UNSYNCED_SHARE`), and the median of how early."""
+    early = early_ms[early_ms > UNSYNCED_SLACK_MS]
+    share = early.size / early_ms.size if early_ms.size else 0.0
+    return {"share": share, "early_ms": float(np.median(early))} if share > UNSYNCED_SHARE else None
 
 
 def _assemble(flat: Flat, edges: list[np.ndarray], blocks: np.ndarray, item_node: np.ndarray, ranks: list[int],

@@ -60,6 +60,8 @@ class SyncTable:
     collective k-1 (in that phase's column), each phase that ended in between, and ``(untraced)``
     for the rest; the interval lasts ``max over r of work[k, r].sum()``. ``measured[k]`` is the
     interval as measured (median over ranks of the time between the two ends). Row 0 only anchors.
+    ``early[k, r]``: how many ms before the last rank arrived rank r left collective k (a tail below
+    zero; see :meth:`unsynchronized`).
     """
 
     ranks: list[int]
@@ -68,6 +70,13 @@ class SyncTable:
     keys: np.ndarray
     work: np.ndarray
     measured: np.ndarray
+    early: np.ndarray = field(default_factory=lambda: np.empty(0))
+
+    def unsynchronized(self) -> dict[str, Any] | None:
+        """None when the sync phases synchronise the ranks (the model applies); else what shows
+        they do not: ``{"ranks", "sync", "share", "early_ms"}`` (graph.unsynchronized)."""
+        found = graph.unsynchronized(self.early.ravel())
+        return None if found is None else {"ranks": list(self.ranks), "sync": list(self.sync), **found}
 
 
 @dataclass(slots=True)
@@ -145,7 +154,7 @@ def sync_table(group: Sequence[ProcessState], sync: Sequence[str] = SYNC_PHASES,
         work[prev + 1, :, phases.index(name)] += tails[prev]
     measured = np.zeros(axis.size)
     measured[1:] = np.median(np.diff(ends, axis=0), axis=1) * 1000.0
-    return SyncTable([d.rank for d in group], phases, names, axis, work, measured)
+    return SyncTable([d.rank for d in group], phases, names, axis, work, measured, -tails)
 
 
 def _host_offsets(ends: np.ndarray, hosts: list[str | None]) -> np.ndarray:
@@ -264,7 +273,7 @@ def whatif(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = 
 def _empty(sync: Sequence[str]) -> dict[str, Any]:
     return {"method": "peers", "step_ms": {"actual": None, "ideal": None, "measured": None}, "slowdown": None,
             "by_rank": [], "by_phase": [], "by_rank_phase": [], "by_dim": {},
-            "shares": {"worker": None, "last_stage": None}, "per_step": {}, "steps": 0, "sync": list(sync)}
+            "shares": {"worker": None, "last_stage": None}, "per_step": {}, "steps": 0, "sync": list(sync), "unsynchronized": []}
 
 
 def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = None,
@@ -274,9 +283,11 @@ def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = N
     (the data-parallel closed form of the graph: see the module doc). ``clock``: the hosts' clocks
     (default: the run's estimate)."""
     clock = _clock(run) if isinstance(clock, str) else clock
-    parts = [s for s in (_group_scenarios(g, sync, window, clock) for g in run.groups()) if s is not None]
+    tables = [t for t in (sync_table(g, sync, window, clock) for g in run.groups()) if t is not None]
+    unsynced = [u for u in (t.unsynchronized() for t in tables) if u is not None]
+    parts = [(t, scenarios(t)) for t in tables if t.unsynchronized() is None]
     if not parts:
-        return _empty(sync)
+        return {**_empty(sync), "unsynchronized": unsynced}
     actual = np.concatenate([s.actual for _, s in parts])
     mean = float(actual.mean())
 
@@ -305,6 +316,7 @@ def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = N
                      for _, s in parts for k, a, i in zip(s.steps, s.actual, s.ideal)},
         "steps": int(actual.size),
         "sync": sorted(syncs, key=lambda n: list(sync).index(n) if n in sync else len(sync)),
+        "unsynchronized": unsynced,
     }
 
 
@@ -351,12 +363,6 @@ def clock_note(run: Run, clock: Clock | None) -> dict[str, Any] | None:
         return None
     return {"reference": clock.reference if clock else None, "aligned": clock is not None,
             "hosts": clock.rows() if clock else []}
-
-
-def _group_scenarios(group: list[ProcessState], sync: Sequence[str], window: Window | None,
-                     clock: Clock | None = None) -> tuple[SyncTable, Scenarios] | None:
-    table = sync_table(group, sync, window, clock)
-    return None if table is None else (table, scenarios(table))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -475,9 +481,12 @@ def typical(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None =
     """The ``typical`` answer (docs/analysis.md "What-if"): every op at its typical duration is the
     ideal; ``by_*`` = step time with only that as measured / ideal; shares; per_step."""
     clock = _clock(run) if isinstance(clock, str) else clock
-    gs = [g for g in (graph.build(grp, clock, window, sync) for grp in run.groups()) if g is not None and g.steps.size >= 2]
+    built = [g for g in (graph.build(grp, clock, window, sync) for grp in run.groups()) if g is not None and g.steps.size >= 2]
+    unsynced = [{"ranks": list(g.ranks), "sync": sorted(g.collective), **u}
+                for g in built if (u := graph.unsynchronized(g.early)) is not None]
+    gs = [g for g in built if graph.unsynchronized(g.early) is None]
     if not gs:
-        return {**_empty(sync), "method": "typical"}
+        return {**_empty(sync), "method": "typical", "unsynchronized": unsynced}
     pairs = not has_mesh(run)
     rep = _combine([(g, _replay(g, _scenarios(g, pairs))) for g in gs])
     actual, ideal = rep.mean(("actual",)), rep.mean(("ideal",))
@@ -506,5 +515,6 @@ def typical(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None =
                           for k in sorted((k for k in rep.times if k[0] == "pair"), key=lambda k: -rep.mean(k))],
         "steps": int(rep.steps.size),
         "sync": list(sync),
+        "unsynchronized": unsynced,
     }
     return out

@@ -108,9 +108,21 @@ def _pct(row: dict[str, Any]) -> str:
     return f"{row['cost_pct']:.1f} %"
 
 
+def _unsynced_lines(result: dict[str, Any], out: Console) -> None:
+    """Groups left out of the replay: their collectives do not make every rank wait for the last."""
+    for u in result.get("unsynchronized") or []:
+        ranks = u["ranks"]
+        who = f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"ranks {ranks}"
+        out.print(f"What-if left out {who}: {', '.join(u['sync'])} does not synchronise them (in "
+                  f"{100.0 * u['share']:.0f} % of its ops a rank left a median {u['early_ms']:.1f} ms before the last "
+                  "one arrived); --sync names the phase that ends with a collective, or the hosts' clocks are off "
+                  "(docs/clock.md)", markup=False)
+
+
 def _render(result: dict[str, Any], out: Console) -> None:
     from rich.table import Table
 
+    _unsynced_lines(result, out)
     if result.get("method") == "typical":
         _render_typical(result, out)
         return
