@@ -50,60 +50,97 @@ CLI = Path(sys.executable).with_name("otel-train")
 
 
 def generate(root: Path, ranks: int, steps: int) -> Path:
-    """Write (or reuse) the synthetic run; returns the run directory."""
-    run = root / f"run-{ranks}x{steps}"
+    """Write (or reuse) the synthetic run; returns the run directory. The ranks are data parallel:
+    every rank leaves ``backward`` (its gradient all-reduce) when the last one has done its own
+    backward work, so ``whatif`` replays the run (a run whose ranks drift apart is left out of it:
+    docs/analysis.md, "When the model does not apply")."""
+    run = root / f"run-{ranks}x{steps}-sync"
     done = run / ".complete"
     if done.exists():
         return run
     shutil.rmtree(run, ignore_errors=True)
     logs = run / schema.STRUCTURED_LOGS_DIR
     logs.mkdir(parents=True)
-    for rank in range(ranks):
-        _write_rank(logs, rank, ranks, steps)
+    writers = [_RankWriter(logs, rank, ranks) for rank in range(ranks)]
+    try:
+        for w in writers:
+            w.line(schema.INSTANT, schema.INSTANT_PROCESS_START, "0" * 16, None, 0, ',"attrs":{}')
+        for step in range(steps):
+            ready = [w.until_backward(step) for w in writers]
+            for w in writers:
+                w.rest_of_step(step, max(ready))
+        for w in writers:
+            w.line(schema.INSTANT, schema.INSTANT_PROCESS_END, "0" * 16, None, steps - 1, ',"attrs":{}')
+    finally:
+        for w in writers:
+            w.f.close()
     done.write_text("ok")
     return run
 
 
-def _write_rank(logs: Path, rank: int, world: int, steps: int) -> None:
-    rng = random.Random(rank)
-    pid = 40000 + rank
-    base = (
-        f'"rank":{rank},"local_rank":{rank % 8},"world_size":{world},"host":"node{rank // 8:03d}",'
-        f'"pid":{pid},"attempt":0,"run_id":"20240101-000000-bench","source":"training","tid":{pid}'
-    )
-    trace_id = f"{rng.getrandbits(128):032x}"
-    ts = 1_700_000_000.0
-    seq = 0
-    path = logs / schema.trace_file_name("training", rank, "20240101-000000", f"bnch{rank:02d}")
-    with path.open("w", buffering=1 << 20) as f:
+class _RankWriter:
+    """One rank's file of the synthetic run, written a step at a time (its own random draws, its own
+    clock; only the end of ``backward`` waits for the other ranks)."""
 
-        def line(kind: str, name: str, sid: str, parent: str | None, step: int, extra: str) -> None:
-            nonlocal seq
-            seq += 1
-            event = name if kind in (schema.INSTANT, schema.SCALAR) else name + ("_start" if kind == schema.SPAN_START else "_end")
-            par = f',"parent_span_id":"{parent}"' if parent else ""
-            f.write(
-                f'{{"v":1,"ts":{ts:.6f},"kind":"{kind}","event":"{event}","name":"{name}","trace_id":"{trace_id}",'
-                f'"span_id":"{sid}"{par},"step":{step},"relative_step":{step},"epoch":{step // 1000},'
-                f'"iteration":{step},{base},"seq":{seq},"caller":"train.py:88:train_loop"{extra}}}\n'
-            )
+    def __init__(self, logs: Path, rank: int, world: int) -> None:
+        self.rng = random.Random(rank)
+        pid = 40000 + rank
+        self.base = (
+            f'"rank":{rank},"local_rank":{rank % 8},"world_size":{world},"host":"node{rank // 8:03d}",'
+            f'"pid":{pid},"attempt":0,"run_id":"20240101-000000-bench","source":"training","tid":{pid}'
+        )
+        self.trace_id = f"{self.rng.getrandbits(128):032x}"
+        self.ts = 1_700_000_000.0
+        self.seq = 0
+        self.step_id, self.step_start = "", 0.0
+        self.open: tuple[str, float, float] = ("", 0.0, 0.0)  # backward: span id, start, own work (s)
+        path = logs / schema.trace_file_name("training", rank, "20240101-000000", f"bnch{rank:02d}")
+        self.f = path.open("w", buffering=1 << 20)
 
-        line(schema.INSTANT, schema.INSTANT_PROCESS_START, "0" * 16, None, 0, ',"attrs":{}')
-        for step in range(steps):
-            step_id = f"{rng.getrandbits(64):016x}"
-            step_start = ts
-            line(schema.SPAN_START, "step", step_id, None, step, ',"attrs":{}')
-            for name, ms in PHASES:
-                sid = f"{rng.getrandbits(64):016x}"
-                ts += 0.0002
-                line(schema.SPAN_START, name, sid, step_id, step, ',"attrs":{"component":"trainer"}')
-                dur = ms * (0.8 + 0.4 * rng.random()) / 1000.0
-                ts += dur
-                line(schema.SPAN_END, name, sid, step_id, step, f',"dur_ms":{dur * 1000:.3f},"status":"ok","attrs":{{}}')
-            ts += 0.0003
-            line(schema.SCALAR, "scalar", step_id, None, step, f',"values":{{"loss":{rng.random():.6f},"lr":0.0003}}')
-            line(schema.SPAN_END, "step", step_id, None, step, f',"dur_ms":{(ts - step_start) * 1000:.3f},"status":"ok","attrs":{{}}')
-        line(schema.INSTANT, schema.INSTANT_PROCESS_END, "0" * 16, None, steps - 1, ',"attrs":{}')
+    def line(self, kind: str, name: str, sid: str, parent: str | None, step: int, extra: str) -> None:
+        self.seq += 1
+        event = name if kind in (schema.INSTANT, schema.SCALAR) else name + ("_start" if kind == schema.SPAN_START else "_end")
+        par = f',"parent_span_id":"{parent}"' if parent else ""
+        self.f.write(
+            f'{{"v":1,"ts":{self.ts:.6f},"kind":"{kind}","event":"{event}","name":"{name}","trace_id":"{self.trace_id}",'
+            f'"span_id":"{sid}"{par},"step":{step},"relative_step":{step},"epoch":{step // 1000},'
+            f'"iteration":{step},{self.base},"seq":{self.seq},"caller":"train.py:88:train_loop"{extra}}}\n'
+        )
+
+    def _phase(self, name: str, ms: float, step: int) -> tuple[str, float]:
+        sid = f"{self.rng.getrandbits(64):016x}"
+        self.ts += 0.0002
+        self.line(schema.SPAN_START, name, sid, self.step_id, step, ',"attrs":{"component":"trainer"}')
+        return sid, ms * (0.8 + 0.4 * self.rng.random()) / 1000.0
+
+    def _end(self, name: str, sid: str, dur: float, step: int) -> None:
+        self.ts += dur
+        self.line(schema.SPAN_END, name, sid, self.step_id, step, f',"dur_ms":{dur * 1000:.3f},"status":"ok","attrs":{{}}')
+
+    def until_backward(self, step: int) -> float:
+        """Write the step up to backward's start; return when this rank's own backward work is done."""
+        self.step_id = f"{self.rng.getrandbits(64):016x}"
+        self.step_start = self.ts
+        self.line(schema.SPAN_START, "step", self.step_id, None, step, ',"attrs":{}')
+        for name, ms in PHASES:
+            sid, dur = self._phase(name, ms, step)
+            if name == "backward":
+                self.open = (sid, self.ts, dur)
+                return self.ts + dur
+            self._end(name, sid, dur, step)
+        raise AssertionError("PHASES has no backward")
+
+    def rest_of_step(self, step: int, last_ready: float) -> None:
+        """backward ends when the last rank's work is done; then the phases after it and the step's end."""
+        sid, start, _ = self.open
+        self._end("backward", sid, last_ready - start, step)
+        for name, ms in PHASES[[n for n, _ in PHASES].index("backward") + 1:]:
+            span, dur = self._phase(name, ms, step)
+            self._end(name, span, dur, step)
+        self.ts += 0.0003
+        self.line(schema.SCALAR, "scalar", self.step_id, None, step, f',"values":{{"loss":{self.rng.random():.6f},"lr":0.0003}}')
+        self.line(schema.SPAN_END, "step", self.step_id, None, step,
+                  f',"dur_ms":{(self.ts - self.step_start) * 1000:.3f},"status":"ok","attrs":{{}}')
 
 
 def cpu_seconds() -> float:

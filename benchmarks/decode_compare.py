@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-RUN = Path("/tmp/otel-train-bench/run-16x4000")
+RUN = Path("/tmp/otel-train-bench/run-16x4000-sync")  # analysis_throughput.generate(..., 16, 4000)
 
 CASES = {
     "duckdb-query": """

@@ -23,7 +23,7 @@ reads it whole.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,21 +226,21 @@ def _several_epochs(segs: list[_Segment]) -> bool:
 def _epoch_of(seg: _Segment, at: int, *, first: bool) -> int | None:
     """The epoch of the first record at or after ``at`` (``first``), or of the last record before it."""
     block = os.pread(seg.fd, PROBE_BYTES, at if first else max(0, at - PROBE_BYTES))
-    lines = block.split(b"\n") if first else block.split(b"\n")[1 if at > PROBE_BYTES else 0:]
-    epochs = [e for e, _ in _epoch_steps(lines)]
-    return (epochs[0] if first else epochs[-1]) if epochs else None
+    lines = block.split(b"\n") if first else block.split(b"\n")[1 if at > PROBE_BYTES else 0:][::-1]
+    got = next(_epoch_steps(lines), None)
+    return None if got is None else got[0]
 
 
-def _epoch_steps(lines: Iterable[bytes]) -> list[tuple[int, int]]:
-    out = []
+def _epoch_steps(lines: Iterable[bytes]) -> Iterator[tuple[int, int]]:
+    """(epoch, step) of each line that carries both (not ``comm.*``), decoded only as far as the caller
+    iterates: a probe wants the first of a block, the boundary's test the records up to it."""
     for line in lines:
         try:
             rec = _probe_decoder.decode(line)
         except DECODE_ERRORS:
             continue
         if rec.epoch is not None and rec.step is not None and not rec.name.startswith(schema.COMM_PREFIX):
-            out.append((rec.epoch, rec.step))
-    return out
+            yield rec.epoch, rec.step
 
 
 def _restarts_at(segs: list[_Segment], epoch: int) -> bool:
@@ -250,16 +250,31 @@ def _restarts_at(segs: list[_Segment], epoch: int) -> bool:
         lo, hi = 0, seg.size
         while hi - lo > PROBE_BYTES:  # bisection: records before ``lo`` are of earlier epochs
             mid = seg.line_start((lo + hi) // 2)
-            got = _epoch_steps(os.pread(seg.fd, PROBE_BYTES, mid).split(b"\n")[:-1])
-            if not got or got[0][0] >= epoch:
+            got = next(_epoch_steps(os.pread(seg.fd, PROBE_BYTES, mid).split(b"\n")[:-1]), None)
+            if got is None or got[0] >= epoch:
                 hi = mid
             else:
                 lo = mid
-        for e, step in _epoch_steps(os.pread(seg.fd, min(seg.size - lo, PROBE_LIMIT), lo).split(b"\n")):
+        for e, step in _epoch_steps(_lines(seg, lo, min(seg.size, lo + PROBE_LIMIT))):
             if e >= epoch:
                 return before is not None and step <= before
             before = step
     return False
+
+
+def _lines(seg: _Segment, lo: int, hi: int) -> Iterator[bytes]:
+    """The lines of bytes ``lo..hi``, read a probe's block at a time, only as far as the caller iterates."""
+    carry = b""
+    while lo < hi:
+        block = os.pread(seg.fd, min(PROBE_BYTES, hi - lo), lo)
+        if not block:
+            break
+        lo += len(block)
+        lines = (carry + block).split(b"\n")
+        carry = lines.pop()
+        yield from lines
+    if carry:
+        yield carry
 
 
 def _plan(pf: ProcessFiles, segs: list[_Segment], lo: int, hi: int) -> Plan | None:
