@@ -287,7 +287,10 @@ def import_rows(small: Path, cache: Path, n: int = 5) -> list[str]:
     """The start-up table: median (range) of ``n`` runs, with bytecode and compiling every source."""
     cases = (("`import otel_train.cli`", ["-c", "import otel_train.cli"]),
              ("`otel-train --help`", [str(CLI), "--help"]),
-             ("`otel-train summarize --json`, 2 ranks × 20 steps", [str(CLI), "summarize", str(small), "--json"]))
+             ("`otel-train summarize --json`, 2 ranks × 20 steps, remembered answer",
+              [str(CLI), "summarize", str(small), "--json"]),
+             ("`otel-train summarize --json --no-cache`, 2 ranks × 20 steps (read and analysed)",
+              [str(CLI), "summarize", str(small), "--json", "--no-cache"]))
     out = [f"| start-up (median of {n}, `-X importtime`) | all imports, ms | of which `otel_train.cli` | "
            "process CPU, ms | all imports, sources compiled | target |", "|---|---:|---:|---:|---:|---|"]
     warm, cold = bench_env(cache), bench_env(cache, bytecode=False)
