@@ -286,15 +286,25 @@ def test_desync_culprit_marked(tmp_path: Path) -> None:
     assert "broadcast" in marks[0]["args"]["message"] and "all_reduce" in marks[0]["args"]["message"]
 
 
-@pytest.mark.parametrize("fmt", ["chrome", "perfetto"])
-def test_pool_renders_the_same_marks(fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The marks travel with each process's task: a pool's output is byte for byte the serial one."""
+@pytest.mark.parametrize("fmt,cache", [("chrome", True), ("perfetto", True), ("chrome", False)])
+def test_pool_renders_the_same_marks(fmt: str, cache: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marks travel with each process's task: a pool's output is byte for byte the serial one.
+    Without the read cache the comm records are also searched by the pool (``_scanned``)."""
     import otel_train.analysis.export as export_package
 
     run = hung_run(tmp_path / "run")
-    serial = export(run, fmt, tmp_path / "serial", workers=1)
+    serial = export(run, fmt, tmp_path / "serial", workers=1, cache=cache)
     monkeypatch.setattr(export_package, "PARALLEL_MIN_BYTES", 0)
-    pooled = export(run, fmt, tmp_path / "pooled", workers=2)
+    pools: list[int] = []
+
+    class Counted(export_package.ProcessPoolExecutor):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pools.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(export_package, "ProcessPoolExecutor", Counted)
+    pooled = export(run, fmt, tmp_path / "pooled", workers=2, cache=cache)
+    assert len(pools) == (1 if cache else 2)  # the rendering's pool; without the cache, the search's first
     assert serial.flows == pooled.flows == 7
     assert serial.output.read_bytes() == pooled.output.read_bytes()
 

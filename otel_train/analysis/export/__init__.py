@@ -142,7 +142,7 @@ def _rendered(path: str | Path, fmt: str, f: IO[bytes], origin: float, ranks: se
     plans = Plans(steps)
     small = steps is not None and sum(plans.size(pf) for pf, _, _ in order) < ONE_PASS_MAX_BYTES
     run = plan_states(everyone, plans, Cache(logs_dir(path), enabled=cache), reader if small else None,
-                      {pf for pf, _, _ in order} if small else set())
+                      {pf for pf, _, _ in order} if small else set(), workers)
     folder = Path(fr) if fr is not None else default_fr(path, run)
     uses(folder)  # a remembered export depends on the dumps, there or not (reading/cache.py)
 
@@ -179,7 +179,8 @@ class Plans(dict):
 
 
 def plan_states(everyone: list[tuple[ProcessFiles, int, Head | None]], plans: Plans, store: Cache,
-                reader: Reader | None = None, keep: set[ProcessFiles] | frozenset = frozenset()) -> Run:
+                reader: Reader | None = None, keep: set[ProcessFiles] | frozenset = frozenset(),
+                workers: int | None = None) -> Run:
     """What the comm plan is made from, for every process of the run (exported or not): with a window,
     each process's window read (its comm ops, groups and mesh; docs/analysis.md, "Reading"), those in
     ``keep`` read whole (``keep=True``, by ``reader``) and kept in ``plans.read`` for the rendering; else
@@ -194,16 +195,34 @@ def plan_states(everyone: list[tuple[ProcessFiles, int, Head | None]], plans: Pl
                 plans.read[pf] = state
             states.append(state)
         return Run([s for s in states if s.records])
-    states = []
-    for pf, attempt, meta in everyone:
+    states: list[ProcessState | None] = []
+    for pf, attempt, _meta in everyone:
         hit = store.lookup(pf)
         state = hit.payload[0] if hit is not None and hit.resume is None and isinstance(hit.payload, tuple) else None
         if isinstance(state, ProcessState):
             state.attempt = attempt
-        else:
-            state = scan_comm(pf, attempt, meta)
-        states.append(state)
-    return Run([s for s in states if s.records])
+        states.append(state if isinstance(state, ProcessState) else None)
+    misses = [(i, item) for i, item in enumerate(everyone) if states[i] is None]
+    for i, state in zip([i for i, _ in misses], _scanned([item for _, item in misses], workers)):
+        states[i] = state
+    return Run([s for s in states if s is not None and s.records])
+
+
+def _scanned(items: list[tuple[ProcessFiles, int, Head | None]], workers: int | None) -> Iterator[ProcessState]:
+    """:func:`scan_comm` of each process, in order: by a pool of ``workers`` (default: CPU count)
+    processes when there are several and their bytes reach :data:`PARALLEL_MIN_BYTES` (a byte search
+    of the whole run, a core's work otherwise while the others wait), else here."""
+    workers = min(workers or os.cpu_count() or 1, len(items))
+    if workers < 2 or sum(pf.size for pf, _, _ in items) < PARALLEL_MIN_BYTES:
+        yield from (scan_comm(*item) for item in items)
+        return
+    with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
+        yield from pool.map(_scan_task, items)
+
+
+def _scan_task(item: tuple[ProcessFiles, int, Head | None]) -> ProcessState:
+    """Worker: one process's comm records (:func:`scan_comm`)."""
+    return scan_comm(*item)
 
 
 def _quiet(_message: str) -> None:
