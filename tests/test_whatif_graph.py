@@ -417,3 +417,48 @@ def test_a_comm_op_tagged_with_a_later_step_stays_where_it_ran(tmp_path: Path) -
     assert out["steps"] == 7 and all(v > 0 for v in out["per_step"].values())
     assert out["step_ms"]["actual"] == pytest.approx(out["step_ms"]["measured"], rel=1e-9)
     assert out["step_ms"]["measured"] == pytest.approx(62.0, abs=0.01)  # 5 + 20 + 30 + 2 + 5, every step
+
+
+def _random_blocks(rng: np.random.Generator, blocks: int, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(nodes offsets, src, dst) of random DAG blocks as graph.Graph keeps them: edges inside their
+    block, from an earlier node of it or from a rank's boundary (src = -1 - rank)."""
+    offsets, src, dst = [0], [], []
+    for _ in range(blocks):
+        n0, n = offsets[-1], int(rng.integers(5, 40))
+        for v in range(n):
+            for _ in range(int(rng.integers(1, 4))):
+                u = int(rng.integers(-1, v)) if v else -1
+                src.append(n0 + u if u >= 0 else -1 - int(rng.integers(ranks)))
+                dst.append(n0 + v)
+        offsets.append(n0 + n)
+    return np.array(offsets), np.array(src, np.int64), np.array(dst, np.int64)
+
+
+def _block_levels(nodes: np.ndarray, src: np.ndarray, dst: np.ndarray, b: int, ranks: int) -> np.ndarray:
+    n0, n1 = nodes[b], nodes[b + 1]
+    mine = (dst >= n0) & (dst < n1)
+    s, d = src[mine], dst[mine]
+    local = np.where(s < 0, -1 - s, ranks + s - n0)
+    n = ranks + int(n1 - n0)
+    level, _ = graph._levels(local, ranks + d - n0, n, np.ones(n, bool))
+    return level[ranks:]
+
+
+def test_all_blocks_levelled_at_once_equal_each_block_levelled_alone() -> None:
+    """The plan's levels come from one Kahn pass over every block (1,000 blocks of the 64-rank
+    benchmark: 1.15 s -> 0.3 s); a block with a cycle is marked (-1) and levelled alone, and its
+    neighbours keep their levels."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(7)
+    nodes, src, dst = _random_blocks(rng, 60, 4)
+    at_once = graph._all_levels(SimpleNamespace(nodes=nodes, src=src, dst=dst))  # type: ignore[arg-type]
+    for b in range(60):
+        assert np.array_equal(at_once[nodes[b]:nodes[b + 1]], _block_levels(nodes, src, dst, b, 4)), b
+    b = 30  # a cycle: the block's last node feeds its first
+    cyc_src, cyc_dst = np.append(src, nodes[b + 1] - 1), np.append(dst, nodes[b])
+    marked = graph._all_levels(SimpleNamespace(nodes=nodes, src=cyc_src, dst=cyc_dst))  # type: ignore[arg-type]
+    assert (marked[nodes[b]:nodes[b + 1]] < 0).any()
+    others = np.ones(marked.size, bool)
+    others[nodes[b]:nodes[b + 1]] = False
+    assert np.array_equal(marked[others], at_once[others])

@@ -115,6 +115,7 @@ class Graph:
     block_plans: dict[int, Any] = field(default_factory=dict, repr=False)  # block -> its plan (one of plans)
     terms: Any = field(default=None, repr=False)  # the weights' typical sums and deltas (see _weights)
     early: np.ndarray = field(default_factory=lambda: np.empty(0))  # per timed waiting op: ms it ended before its join was ready
+    node_level: Any = field(default=None, repr=False)  # every node's level, all blocks at once (see _all_levels)
 
     @property
     def fixed(self) -> int:
@@ -860,6 +861,30 @@ def plan(g: Graph, b: int) -> Plan:
     return got
 
 
+def _all_levels(g: Graph) -> np.ndarray:
+    """Every node's level in its block (as :func:`_levels` gives it), all blocks in one Kahn pass: each
+    block's edges stay inside it, and every boundary is one source at level 0. -1: a node on a cycle
+    (its block is levelled alone, by :func:`_levels`). One pass of a few numpy calls per level instead
+    of one per level and block (1,000 blocks: 1.15 s -> about 0.1 s)."""
+    N = int(g.nodes[-1])
+    src = np.where(g.src < 0, N, g.src)
+    indeg = np.bincount(g.dst, minlength=N + 1)
+    order = np.argsort(src, kind="stable")
+    out_dst = g.dst[order]
+    starts = np.searchsorted(src[order], np.arange(N + 2))
+    level = np.full(N + 1, -1, np.int64)
+    frontier, lev = np.flatnonzero(indeg == 0), 0
+    while frontier.size:
+        level[frontier] = lev
+        counts = starts[frontier + 1] - starts[frontier]
+        base = np.repeat(starts[frontier] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        reached, times = np.unique(out_dst[base + np.arange(int(counts.sum()))], return_counts=True)
+        indeg[reached] -= times
+        frontier = reached[indeg[reached] == 0]
+        lev += 1
+    return level[:N]
+
+
 def _plan(g: Graph, b: int) -> Plan:
     R = len(g.ranks)
     n0, n1, e0, e1 = g.nodes[b], g.nodes[b + 1], g.edges[b], g.edges[b + 1]
@@ -873,7 +898,13 @@ def _plan(g: Graph, b: int) -> Plan:
     if found is not None:
         return found
     n = R + int(n1 - n0)
-    level, kept = _levels(src_l, dst_l, n, np.concatenate([np.zeros(R, bool), g.kind[n0:n1] == JOIN]))
+    if g.node_level is None:
+        g.node_level = _all_levels(g)
+    mine = g.node_level[n0:n1]
+    if (mine >= 0).all():
+        level, kept = np.concatenate([np.zeros(R, np.int64), mine]), np.ones(src_l.size, bool)
+    else:
+        level, kept = _levels(src_l, dst_l, n, np.concatenate([np.zeros(R, bool), g.kind[n0:n1] == JOIN]))
     edge = np.flatnonzero(kept)
     fan = np.bincount(dst_l[edge], minlength=n)
     perm = np.argsort((level * 2 + (fan > 1))[R:], kind="stable")
@@ -891,28 +922,29 @@ def _plan(g: Graph, b: int) -> Plan:
         if k % 2 == 0:
             got[1] = t
         got[2] = t
-    levels = [(p0, pm, p1, *_inputs(pd, ps, edge, p0, pm, p1, n, int(e1 - e0)))
-              for _, (p0, pm, p1) in sorted(spans.items())]
+    levels = _level_inputs(pd, ps, edge, [tuple(v) for _, v in sorted(spans.items())], n, int(e1 - e0))
     out = Plan(levels, pos[R + ex[have] - n0], have, n, int(e1 - e0))
     g.plans[key] = out
     return out
 
 
-def _inputs(pd: np.ndarray, ps: np.ndarray, edge: np.ndarray, p0: int, pm: int, p1: int, pad_v: int, pad_w: int
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One level's inputs: (src, edge) of its one-input nodes, padded (idx, wid) of the others."""
-    q0, qm, q1 = np.searchsorted(pd, [p0, pm, p1])
-    d = pd[qm:q1] - pm
-    m = p1 - pm
-    if m == 0:
-        return ps[q0:qm], edge[q0:qm], np.empty((0, 0), np.int64), np.empty((0, 0), np.int64)
-    counts = np.bincount(d, minlength=m)
-    width = int(counts.max()) if m else 0
-    col = np.arange(d.size) - np.repeat(np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-    idx = np.full((m, width), pad_v)
-    wid = np.full((m, width), pad_w)
-    idx[d, col], wid[d, col] = ps[qm:q1], edge[qm:q1]
-    return ps[q0:qm], edge[q0:qm], idx, wid
+def _level_inputs(pd: np.ndarray, ps: np.ndarray, edge: np.ndarray, bounds: list[tuple[int, int, int]], pad_v: int,
+                  pad_w: int) -> list[tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Every level's (p0, pm, p1, src, edge, idx, wid) (:class:`Plan`): its one-input nodes' source and
+    edge, and its other nodes' inputs padded to the level's widest (``pad_v``: the -inf row, ``pad_w``:
+    the zero weight), laid out once for the whole block (a few numpy calls a block, not a level)."""
+    counts = np.bincount(pd, minlength=pad_v)
+    col = np.arange(pd.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    idx = np.full((pad_v, max(int(counts.max(initial=0)), 1)), pad_v)
+    wid = np.full(idx.shape, pad_w)
+    idx[pd, col], wid[pd, col] = ps, edge
+    cuts = np.searchsorted(pd, np.array([b[:2] for b in bounds], np.int64).reshape(-1, 2)).tolist()
+    out = []
+    for (p0, pm, p1), (q0, qm) in zip(bounds, cuts):
+        width = int(counts[pm:p1].max(initial=0))
+        out.append((p0, pm, p1, ps[q0:qm], edge[q0:qm], np.ascontiguousarray(idx[pm:p1, :width]),
+                    np.ascontiguousarray(wid[pm:p1, :width])))
+    return out
 
 
 def _weight_terms(g: Graph) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
