@@ -55,13 +55,15 @@ UNTRACED = "(untraced)"
 Window = tuple[int, int]
 RESOLUTION_MS = 0.002
 """Records keep µs timestamps and 1/1000 ms durations: ends and starts this close touch."""
+P2P_KEY = 1 << 62
+"""Match keys of send/recv pairs are this or above (collectives: group and seq; sync spans: 1 << 61 up)."""
 UNSYNCED_SLACK_MS = 1.0
-"""A member that ends a collective (a recv: its send) more than this before the last member arrived
+"""A member that ends a collective more than this before the last member arrived
 shows that the op does not synchronise its members, or that the clocks compared are off by more than
 the causal bounds of docs/clock.md allow."""
 UNSYNCED_SHARE = 0.1
-"""The replay's model does not apply to a group when more than this share of its waiting ops (or
-collectives of the sync phase) ended that early: its answers would be nonsense (a negative ideal)."""
+"""The replay's model does not apply to a group when more than this share of its collective members
+(or of the sync phase's) ended that early: its answers would be nonsense (a negative ideal)."""
 
 # Node kinds
 PIECE, ARRIVE, JOIN, END, EXIT = range(5)
@@ -227,7 +229,7 @@ def _comm(d: ProcessState, names: Names, descs: dict[str, str], window: Window |
     src = np.where(send, d.rank, peer)
     dst = np.where(send, peer, d.rank)
     g = gid[codes[:, 0]]
-    key = np.where(p2p, (((g * 4096 + src) * 4096 + dst) << 24) + seq + (1 << 62), (g << 32) + seq)
+    key = np.where(p2p, (((g * 4096 + src) * 4096 + dst) << 24) + seq + P2P_KEY, (g << 32) + seq)
     tkey = _tkeys(codes[ok, 1].astype(np.int64), codes[ok, 0].astype(np.int64), nbytes[ok], s, names, descs)
     return [start[ok], end[ok], step[ok].copy(), op_of[codes[ok, 1]], key[ok], send[ok], tkey]
 
@@ -469,7 +471,7 @@ def host_shift(flat: Flat, hosts: list[str | None]) -> np.ndarray:
     shift = np.zeros(len(hosts))
     if len(set(hosts)) < 2 or flat.o_key.size == 0:
         return shift
-    coll = flat.o_key < (1 << 62)
+    coll = flat.o_key < P2P_KEY
     key, end, rank = flat.o_key[coll], flat.o_end[coll], flat.o_rank[coll].astype(np.int64)
     late = end - group_median(key, end)
     host_of = np.array([hash(h) for h in hosts])[rank]
@@ -741,8 +743,10 @@ def build(group: Sequence[ProcessState], clock: Clock | None = None, window: Win
     graph.kind = kinds[np.argsort(np.searchsorted(graph.steps, blocks).astype(np.int16 if graph.steps.size < (1 << 15)
                                                                            else np.int64), kind="stable")]
     graph.mesh = {i: dict(d.mesh) for i, d in enumerate(group) if d.mesh}
-    # An op that ended where it started (a Flight Recorder entry without its completion time) tells no end.
-    timed = jn.waits & (flat.o_end - flat.o_start > RESOLUTION_MS)
+    # Collective members only (a recv's join is its send's end: when the sender's thread got back, late
+    # on a loaded machine), and not an op that ended where it started (a Flight Recorder entry without
+    # its completion time tells no end).
+    timed = jn.waits & (flat.o_key < P2P_KEY) & (flat.o_end - flat.o_start > RESOLUTION_MS)
     graph.early = -jn.transfer[timed]
     graph.collective = {phases[int(i)] for i in np.unique(flat.o_name)}
     return graph
