@@ -345,3 +345,41 @@ def test_an_exported_window_reads_the_window_only(comm_run: Path, tmp_path: Path
     pfs = find_process_files(comm_run)
     planned = sum(window.plan(pf, 60, 62).nbytes for pf in pfs)  # type: ignore[union-attr]
     assert sum(read) == planned < sum(pf.size for pf in pfs) / 3  # each window read once
+
+
+def _head_cases(tmp_path: Path) -> list[Path]:
+    """Runs whose identity fields sit where a quick look at a file's first 8 KiB could miss them."""
+    cases = []
+    late = tmp_path / "late"  # job_id first written on the 60th line (past 8 KiB), within 64 KiB
+    procs = [Proc(rank=0, world_size=1)]
+    procs[0].steps(range(6))
+    write_run(late, procs)
+    path = next((late / schema.STRUCTURED_LOGS_DIR).iterdir())
+    lines = path.read_text().splitlines()
+    lines[60] = lines[60][:-1] + ',"job_id":"slurm-42"}'
+    path.write_text("\n".join(lines) + "\n")
+    cases.append(late)
+    rotated = tmp_path / "rotated"  # small segments: the full read goes on into the next one
+    procs = [Proc(rank=0, world_size=1)]
+    procs[0].steps(range(6))
+    write_run(rotated, procs, lines_per_segment=8)
+    cases.append(rotated)
+    torn = tmp_path / "torn"  # a bad line early: decided by the full read's line-by-line rule
+    procs = [Proc(rank=0, world_size=1)]
+    procs[0].steps(range(6))
+    write_run(torn, procs, garbage={0: b'{"v":1,"ts":'})
+    cases.append(torn)
+    return cases
+
+
+def test_the_quick_head_equals_the_full_heads_answer(tmp_path: Path) -> None:
+    """reading.whole.head decodes 8 KiB first; whatever the file, its answer is the 64 KiB read's."""
+    from otel_train.analysis.reading import whole
+    from otel_train.analysis.reading.types import Head
+
+    for run in _head_cases(tmp_path):
+        for pf in find_process_files(run, warn=lambda _m: None):
+            full = whole._first_values(whole.peek(pf, Head, limit=256))
+            assert whole.head(pf) == full, run.name
+    late = find_process_files(tmp_path / "late")[0]
+    assert whole._quick_head(late) is None and whole.head(late).job_id == "slurm-42"  # type: ignore[union-attr]
