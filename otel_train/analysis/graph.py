@@ -116,7 +116,7 @@ class Graph:
     plans: dict[Any, Any] = field(default_factory=dict, repr=False)
     block_plans: dict[int, Any] = field(default_factory=dict, repr=False)  # block -> its plan (one of plans)
     terms: Any = field(default=None, repr=False)  # the weights' typical sums and deltas (see _weights)
-    early: np.ndarray = field(default_factory=lambda: np.empty(0))  # per timed waiting op: ms it ended before its join was ready
+    early: np.ndarray = field(default_factory=lambda: np.empty(0))  # ms each timed collective member ended before its join
     node_level: Any = field(default=None, repr=False)  # every node's level, all blocks at once (see _all_levels)
 
     @property
