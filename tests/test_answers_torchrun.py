@@ -30,7 +30,7 @@ from otel_train.analysis.diff import diff_runs
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize
 from otel_train.analysis.whatif import whatif
-from otel_train.phases import BACKWARD, DATA_FETCH
+from otel_train.phases import BACKWARD, DATA_FETCH, STEP
 
 pytest.importorskip("torch.distributed")
 
@@ -111,20 +111,44 @@ def phase_excess_ms(records: list[dict[str, Any]], rank: int, phase: str) -> flo
     return excess_over_peers(durs, rank)
 
 
+def rank_jitter_ms(records: list[dict[str, Any]], skip: tuple[str, ...]) -> float:
+    """How far apart two ranks' phases were, per step: |rank 0's ms - rank 1's ms| added up over every
+    phase of every step both ranks ran but ``skip`` (and ``comm.*``), divided by those steps (a phase
+    of one step, such as an eval, counts once, not as every step's). What a busy machine adds to one
+    rank and not the other; what the two-rank ideal (each phase at the faster rank's values) takes
+    out besides a straggler's excess. A quiet run here: 2.8 ms of a 90 ms step."""
+    durs: dict[tuple[str, int], dict[int, float]] = {}
+    for r in records:
+        name = r.get("name", "")
+        if r.get("kind") == "span_end" and r.get("step") is not None and not name.startswith("comm."):
+            per = durs.setdefault((name, r["rank"]), {})
+            per[r["step"]] = per.get(r["step"], 0.0) + r["dur_ms"]
+    steps = set(durs.get((STEP, 0), {})) & set(durs.get((STEP, 1), {}))
+    apart = sum(abs(durs[(name, 0)][s] - durs[(name, 1)][s])
+                for name in {n for n, _ in durs} - {STEP, *skip} if (name, 0) in durs and (name, 1) in durs
+                for s in steps if s in durs[(name, 0)] and s in durs[(name, 1)])
+    return apart / len(steps) if steps else 0.0
+
+
 def test_whatif_ideal_and_top_rank_take_out_what_the_straggler_added(runs: dict[str, Path],
                                                                      read_records: ReadRecords) -> None:
     # Judged within the straggler run alone (issue 19: no test may depend on two real runs' timings
     # agreeing; a fresh-clone run beside a busy loop once measured the clean run 11.9 % slower than the
     # straggler run's ideal). What the injected sleep added to the straggler's phase is read from the
-    # records; the what-if must take out that much, and no more than the run's own jitter besides.
+    # records; the what-if must take out that much, and no more than the run's own jitter besides:
+    # beside a busy loop (run 50) the ideal took out 8.4 ms more than the straggler's 30.9 ms, the
+    # two ranks' other phases that far apart step by step (the ideal keeps the faster rank's values).
     slow = whatif(load_run(runs["straggler"]))
     measured, ideal = slow["step_ms"]["measured"], slow["step_ms"]["ideal"]
-    added = phase_excess_ms(read_records(runs["straggler"]), SLOW_RANK, DATA_FETCH)
+    records = read_records(runs["straggler"])
+    added = phase_excess_ms(records, SLOW_RANK, DATA_FETCH)
     assert added == pytest.approx(SLOW_MS, rel=0.3), added
-    assert ideal == pytest.approx(measured - added, rel=0.10), (slow["step_ms"], added)
+    jitter = rank_jitter_ms(records, skip=(DATA_FETCH, BACKWARD))  # backward holds the waiting for the straggler
+    assert (measured - added - jitter) * 0.9 <= ideal <= (measured - added) * 1.1, (slow["step_ms"], added, jitter)
     top = slow["by_rank"][0]
-    assert top["rank"] == SLOW_RANK and top["slowdown"] == pytest.approx(measured / (measured - added), rel=0.10), (
-        top, slow["step_ms"], added)
+    assert top["rank"] == SLOW_RANK, top
+    low, high = measured / (measured - added) * 0.9, measured / (measured - added - jitter) * 1.1
+    assert low <= top["slowdown"] <= high, (top, slow["step_ms"], added, jitter)
 
 
 def test_summarize_names_the_straggler_with_its_cost(runs: dict[str, Path], read_records: ReadRecords) -> None:
