@@ -812,6 +812,14 @@ class Plan:
     edges: int
 
 
+def _successors(frontier: np.ndarray, starts: np.ndarray, out_dst: np.ndarray) -> np.ndarray:
+    """The destinations of every edge out of ``frontier`` (edges sorted by source; ``starts[v]``: where
+    node v's edges begin), repeats kept."""
+    counts = starts[frontier + 1] - starts[frontier]
+    base = np.repeat(starts[frontier] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return out_dst[base + np.arange(int(counts.sum()))]
+
+
 def _levels(src: np.ndarray, dst: np.ndarray, n: int, is_join: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each local node's level (longest path from the boundaries, in edges), Kahn's way, a level at a
     time; and which edges are kept. Ops that wait for each other in a cycle (ties on aligned clocks
@@ -828,9 +836,7 @@ def _levels(src: np.ndarray, dst: np.ndarray, n: int, is_join: np.ndarray) -> tu
     while True:
         while frontier.size:
             level[frontier] = lev
-            counts = starts[frontier + 1] - starts[frontier]
-            base = np.repeat(starts[frontier] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-            reached = out_dst[base + np.arange(int(counts.sum()))]
+            reached = _successors(frontier, starts, out_dst)
             indeg -= np.bincount(reached, minlength=n + 1)
             frontier = np.unique(reached[(reached < n) & (indeg[reached] == 0)])
             lev += 1
@@ -880,9 +886,7 @@ def _all_levels(g: Graph) -> np.ndarray:
     frontier, lev = np.flatnonzero(indeg == 0), 0
     while frontier.size:
         level[frontier] = lev
-        counts = starts[frontier + 1] - starts[frontier]
-        base = np.repeat(starts[frontier] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-        reached, times = np.unique(out_dst[base + np.arange(int(counts.sum()))], return_counts=True)
+        reached, times = np.unique(_successors(frontier, starts, out_dst), return_counts=True)
         indeg[reached] -= times
         frontier = reached[indeg[reached] == 0]
         lev += 1
