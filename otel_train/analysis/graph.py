@@ -119,6 +119,12 @@ class Graph:
     early: np.ndarray = field(default_factory=lambda: np.empty(0))  # ms each timed collective member ended before its join
     node_level: Any = field(default=None, repr=False)  # every node's level, all blocks at once (see _all_levels)
 
+    def unsynchronized(self) -> dict[str, Any] | None:
+        """None when the collectives synchronise the ranks; else ``{"ranks", "sync", "share", "early_ms"}``
+        (:func:`unsynchronized`), as ``whatif.SyncTable.unsynchronized`` gives it."""
+        found = unsynchronized(self.early)
+        return None if found is None else {"ranks": list(self.ranks), "sync": sorted(self.collective), **found}
+
     @property
     def fixed(self) -> int:
         """The owner column that is measured in every scenario."""

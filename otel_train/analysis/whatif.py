@@ -283,9 +283,9 @@ def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = N
     (the data-parallel closed form of the graph: see the module doc). ``clock``: the hosts' clocks
     (default: the run's estimate)."""
     clock = _clock(run) if isinstance(clock, str) else clock
-    tables = [t for t in (sync_table(g, sync, window, clock) for g in run.groups()) if t is not None]
-    unsynced = [u for u in (t.unsynchronized() for t in tables) if u is not None]
-    parts = [(t, scenarios(t)) for t in tables if t.unsynchronized() is None]
+    tables = [(t, t.unsynchronized()) for t in (sync_table(g, sync, window, clock) for g in run.groups()) if t is not None]
+    unsynced = [u for _, u in tables if u is not None]
+    parts = [(t, scenarios(t)) for t, u in tables if u is None]
     if not parts:
         return {**_empty(sync), "unsynchronized": unsynced}
     actual = np.concatenate([s.actual for _, s in parts])
@@ -481,10 +481,10 @@ def typical(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None =
     """The ``typical`` answer (docs/analysis.md "What-if"): every op at its typical duration is the
     ideal; ``by_*`` = step time with only that as measured / ideal; shares; per_step."""
     clock = _clock(run) if isinstance(clock, str) else clock
-    built = [g for g in (graph.build(grp, clock, window, sync) for grp in run.groups()) if g is not None and g.steps.size >= 2]
-    unsynced = [{"ranks": list(g.ranks), "sync": sorted(g.collective), **u}
-                for g in built if (u := graph.unsynchronized(g.early)) is not None]
-    gs = [g for g in built if graph.unsynchronized(g.early) is None]
+    built = [(g, g.unsynchronized()) for g in (graph.build(grp, clock, window, sync) for grp in run.groups())
+             if g is not None and g.steps.size >= 2]
+    unsynced = [u for _, u in built if u is not None]
+    gs = [g for g, u in built if u is None]
     if not gs:
         return {**_empty(sync), "method": "typical", "unsynchronized": unsynced}
     pairs = not has_mesh(run)
