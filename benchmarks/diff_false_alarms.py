@@ -88,7 +88,10 @@ def condition(name: str, base: Path, args: argparse.Namespace, slowed: int) -> d
             job(runs[-1], args.steps, args.ranks, args.gpu_wait_ms)
             loads.append(os.getloadavg()[0])
         k = args.a_runs
-        alarms = [f for a, b in zip(runs, runs[1:]) for f in [diff(a, b)["findings"]] if f]
+        pairs = [diff(a, b) for a, b in zip(runs, runs[1:])]
+        alarms = [p["findings"] for p in pairs if p["findings"]]
+        # A collective's change one pair cannot judge (diff's "one_run" undecided): listed, not a finding.
+        one_run = [u["message"] for p in pairs for u in p["undecided"] if u.get("reason") == "one_run"]
         # B = run i + k against the k runs before it (A = run i, --baseline the others).
         alarms_k = [f for i in range(len(runs) - k) for f in [diff(runs[i], runs[i + k], *runs[i + 1:i + k])["findings"]]
                     if f]
@@ -105,6 +108,7 @@ def condition(name: str, base: Path, args: argparse.Namespace, slowed: int) -> d
                 hits_k += _forward_regression(diff(a[0], run, *a[1:])["findings"])
     return {"condition": name, "comparisons": len(runs) - 1, "false_alarms": len(alarms), "gpu_wait_ms": args.gpu_wait_ms,
             "alarms": [f["message"] for fs in alarms for f in fs][:5],
+            "undecided_one_run": len(one_run), "undecided_examples": one_run[:5],
             "a_runs": k, "comparisons_k": max(0, len(runs) - k), "false_alarms_k": len(alarms_k),
             "alarms_k": [f["message"] for fs in alarms_k for f in fs][:5],
             "slowed": slowed, "found": hits, "found_k": hits_k, "slow_ms": slow_ms,
@@ -135,13 +139,15 @@ def main() -> None:
     finally:
         if args.keep is None:
             shutil.rmtree(base, ignore_errors=True)
-    print("| condition | A runs | load (1 min) | clean comparisons | false alarms | 10 % slowdown found |")
-    print("|---|---:|---|---:|---:|---:|")
+    print("| condition | A runs | load (1 min) | clean comparisons | false alarms | collective changes left "
+          "undecided | 10 % slowdown found |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     for r in rows:
         for k, suffix in ((1, ""), (r["a_runs"], "_k")):
             found = f"{r['found' + suffix]} of {r['slowed']} (+{r['slow_ms']} ms)" if r["slowed"] else "-"
+            undecided = r["undecided_one_run"] if k == 1 else "-"
             print(f"| {r['condition']} | {k} | {r['load'][0]}-{r['load'][1]} | {r['comparisons' + suffix]} | "
-                  f"{r['false_alarms' + suffix]} | {found} |")
+                  f"{r['false_alarms' + suffix]} | {undecided} | {found} |")
     print(json.dumps({"rows": rows, "seconds": round(time.monotonic() - started)}, indent=1))
 
 

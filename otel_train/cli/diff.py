@@ -69,7 +69,8 @@ def diff(
 
 
 def _verdict(row: dict[str, Any]) -> str:
-    return "regression" if row["regression"] else "improvement" if row["improvement"] else ""
+    return ("regression" if row["regression"] else "improvement" if row["improvement"] else
+            "undecided" if row.get("undecided") else "")
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
