@@ -303,6 +303,16 @@ def test_a_collectives_own_time_in_one_pair_is_undecided_and_judged_with_more_ru
     judged = diff_runs(a[0], b, baselines=a[1:])
     assert kinds(judged) == [("regression", None, BACKWARD)] and judged["undecided"] == []
     assert "outside the spread of 3 runs of A" in judged["findings"][0]["message"]
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    text = CliRunner().invoke(app, ["diff", str(tmp_path / "a0"), str(tmp_path / "b"), "--no-cache"],
+                              env={"COLUMNS": "200"}).stdout
+    assert "undecided: backward on all ranks" in text and "--baseline" in text and "No regression" in text
+    table = [line for line in text.splitlines() if line.startswith("│ ")]
+    assert not any("regression" in line for line in table), table
+    assert "(its phases)" in next(line for line in table if line.startswith("│ step "))
     short = diff_runs(noisy_run(tmp_path / "s", 1, steps=range(20)), noisy_run(tmp_path / "t", 2, _rank1_fetch_plus_30,
                                                                               steps=range(20)))
     assert short["undecided"][0]["reason"] == "few_blocks"

@@ -69,6 +69,9 @@ def diff(
 
 
 def _verdict(row: dict[str, Any]) -> str:
+    """A row's verdict; a phase that contains others (``step``) has none of its own: its change is theirs."""
+    if row.get("container"):
+        return "(its phases)" if row["regression"] or row["improvement"] or row.get("undecided") else ""
     return ("regression" if row["regression"] else "improvement" if row["improvement"] else
             "undecided" if row.get("undecided") else "")
 
@@ -84,7 +87,7 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:
 
     def effect(item: tuple[str, str, dict[str, Any]]) -> tuple[int, float]:
         row = item[2]
-        group = 0 if row["regression"] else 1 if row["improvement"] else 2
+        group = 2 if row.get("container") else 0 if row["regression"] else 1 if row["improvement"] else 2
         return group, -abs(row["delta_ms"]) if row["delta_ms"] == row["delta_ms"] else 0.0
 
     return sorted(out, key=effect)
