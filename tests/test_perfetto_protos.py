@@ -202,3 +202,29 @@ def test_concurrent_tasks_decode_to_the_chrome_export(tmp_path_factory: pytest.T
     tmp = tmp_path_factory.mktemp("concurrent")
     _concurrent_run(tmp / "run", seed, spans)
     assert_same_trace(tmp / "run", tmp)
+
+
+@pytest.mark.parametrize("chunk", [8192, 9])
+def test_small_processes_written_together_are_the_bytes_each_writes_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """``perfetto.Batch`` (a 10-step window of 1,024 ranks renders 1,024 small processes) writes what
+    ``render`` writes for each process in turn, byte for byte: errors, open spans, concurrent tracks,
+    counters, a restart, comm flows and culprit marks. ``chunk`` 9 makes it flush between processes
+    and render the larger ones alone."""
+    from otel_train.analysis.export import perfetto
+    from test_export_comm import hung_run
+
+    golden = tmp_path / "golden"
+    golden.mkdir()
+    for rank in (1, 0):
+        run_golden(golden, rank, 2)
+    runs = [golden, crashed_run(tmp_path / "crashed"), hung_run(tmp_path / "hung")]
+    monkeypatch.setattr(perfetto, "EVENT_CHUNK", chunk)
+    together = [export(run, "perfetto", tmp_path / f"together{i}.pftrace", workers=1) for i, run in enumerate(runs)]
+    monkeypatch.delattr(perfetto, "Batch")
+    alone = [export(run, "perfetto", tmp_path / f"alone{i}.pftrace", workers=1) for i, run in enumerate(runs)]
+    for t, a in zip(together, alone):
+        assert t.output.read_bytes() == a.output.read_bytes()
+        assert (t.slices, t.instants, t.counters, t.processes, t.flows) == (
+            a.slices, a.instants, a.counters, a.processes, a.flows)
+    assert together[2].flows > 0 and together[0].processes == 2 and together[1].processes >= 3

@@ -44,7 +44,9 @@ DEFAULT_NAMES = {"chrome": "structured_trace.json", "perfetto": "structured_trac
                  "otlp-json": "structured_trace.otlp.json"}
 _RENDERERS: dict[str, ModuleType] = {"chrome": chrome, "perfetto": perfetto}
 """Formats written one laid-out process at a time: ``HEAD``, then ``render(layout, origin_us, file)`` per
-process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malformed_lines)``."""
+process with ``SEPARATOR`` between them, then ``tail(origin_us, processes, malformed_lines)``. A format
+without separators may offer ``Batch(origin_us, file)``, whose ``add(layout)`` returns the counts and
+``flush()`` writes what it held: the same bytes as ``render`` per process (perfetto's small processes)."""
 
 Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "ProcessMarks | None", "Clock | None",
              bool, "window.Plan | None"]
@@ -294,13 +296,16 @@ def _write_rendered(
     f.write(renderer.HEAD)
     totals = Counts(0, 0, 0, 0)
     if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES or plans.read:  # read already: rendered here
+        batch = renderer.Batch(origin_us, f) if hasattr(renderer, "Batch") else None  # small processes together
         for index, (pf, attempt, meta) in enumerate(order):
             lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt), plan.clock,
                           cache, plans.of(pf), plans.read.pop(pf, None))
             if lay is not None:
                 if totals.processes:
                     f.write(renderer.SEPARATOR)
-                totals = _add(totals, renderer.render(lay, origin_us, f))
+                totals = _add(totals, batch.add(lay) if batch is not None else renderer.render(lay, origin_us, f))
+        if batch is not None:
+            batch.flush()
     else:
         for counts, part in _pooled(order, sizes, fmt, plan, f, origin_us, reader, steps, workers, cache, plans):
             if totals.processes:
