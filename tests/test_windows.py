@@ -383,3 +383,36 @@ def test_the_quick_head_equals_the_full_heads_answer(tmp_path: Path) -> None:
             assert whole.head(pf) == full, run.name
     late = find_process_files(tmp_path / "late")[0]
     assert whole._quick_head(late) is None and whole.head(late).job_id == "slurm-42"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("fmt", ["chrome", "perfetto"])
+def test_a_window_planned_and_read_by_a_pool_exports_the_same_bytes(comm_run: Path, tmp_path: Path, fmt: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window of many processes (export.WINDOW_POOL_MIN: 1,024 ranks) is planned and read by a pool:
+    the file, the counts, the bytes read (progress) and a torn line's warning and count are what the
+    reads here give. The pool is counted, so the test fails if it was not used."""
+    import otel_train.analysis.export as exp
+
+    torn = tmp_path / "torn"
+    write_run(torn, _comm_procs(60), garbage={300: b'{"v":1,"ts":1700000000.1,"kind":"span_'})
+    serial = []
+    for run in (comm_run, torn):
+        read, warnings = [], []
+        got = exp.export(run, fmt, tmp_path / f"serial-{run.name}", steps=(28, 33), workers=1, cache=False,
+                         reader=Reader(warn=warnings.append, progress=read.append))
+        serial.append((got.output.read_bytes(), (got.slices, got.instants, got.counters, got.processes, got.flows), got.malformed_lines, sum(read), warnings))
+    monkeypatch.setattr(exp, "WINDOW_POOL_MIN", 2)
+    pools: list[int] = []
+
+    class Counted(exp.ProcessPoolExecutor):  # type: ignore[misc]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pools.append(1)
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exp, "ProcessPoolExecutor", Counted)
+    for run, want in zip((comm_run, torn), serial):
+        read, warnings = [], []
+        got = exp.export(run, fmt, tmp_path / f"pooled-{run.name}", steps=(28, 33), workers=2, cache=False,
+                         reader=Reader(warn=warnings.append, progress=read.append))
+        assert (got.output.read_bytes(), (got.slices, got.instants, got.counters, got.processes, got.flows), got.malformed_lines, sum(read), warnings) == want
+    assert len(pools) == 2 and serial[1][2] == 4 and len(serial[1][4]) == 4 and serial[0][3] > 0  # a torn line a rank

@@ -8,7 +8,7 @@ the run's SDK spans. Every format is written next to the output and renamed into
 A step window (``steps``) costs its size (docs/analysis.md, "Reading"): every process is read by
 bisection (:mod:`otel_train.analysis.reading.window`), the comm plan (flows, culprits) and the clock
 estimate are made from the window's records, and it is rendered in this process unless the window is
-big. A whole-run export uses the read cache (``cache``): the comm plan takes each process's comm ops
+big (a window of many processes is planned and read by a pool first: :data:`WINDOW_POOL_MIN`). A whole-run export uses the read cache (``cache``): the comm plan takes each process's comm ops
 from its cached state when it is there (else a byte search of its files), and each process the export
 reads whole is kept in the cache for the commands that follow.
 """
@@ -20,7 +20,8 @@ import os
 import shutil
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +54,11 @@ Task = tuple[ProcessFiles, int, int, int, "tuple[int, int] | None", str, str, "P
 ONE_PASS_MAX_BYTES = 256 << 20
 """A window of at most this many bytes is read once, in this process: its exported states serve the comm
 plan and the rendering (a 10-step window of 1,024 ranks is about 200 MB; the states take ~100 MB)."""
+WINDOW_POOL_MIN = 64
+"""Processes from which a window's plans and reads go to a pool of workers (one process's window is a
+millisecond's work: 1,024 of them, 0.9 s on one core while the others wait)."""
+WINDOW_CHUNK = 32
+"""Processes a worker takes at a time for a window (fewer round trips than one by one)."""
 RAW_TS = "raw_ts"
 """The arg holding a record's own time (Unix s) where the export moved it onto the reference clock."""
 
@@ -142,9 +148,11 @@ def _rendered(path: str | Path, fmt: str, f: IO[bytes], origin: float, ranks: se
     everyone = process_order(path, None, reader.bad.warn)
     order = [item for item in everyone if ranks is None or item[0].rank in ranks]
     plans = Plans(steps)
-    small = steps is not None and sum(plans.size(pf) for pf, _, _ in order) < ONE_PASS_MAX_BYTES
-    run = plan_states(everyone, plans, Cache(logs_dir(path), enabled=cache), reader if small else None,
-                      {pf for pf, _, _ in order} if small else set(), workers)
+    with _window_pool(steps, workers, len(everyone)) as pool:
+        plans.fill([pf for pf, _, _ in everyone], pool)
+        small = steps is not None and sum(plans.size(pf) for pf, _, _ in order) < ONE_PASS_MAX_BYTES
+        run = plan_states(everyone, plans, Cache(logs_dir(path), enabled=cache), reader if small else None,
+                          {pf for pf, _, _ in order} if small else set(), workers, pool)
     folder = Path(fr) if fr is not None else default_fr(path, run)
     uses(folder)  # a remembered export depends on the dumps, there or not (reading/cache.py)
 
@@ -174,28 +182,85 @@ class Plans(dict):
             self[pf] = window.plan(pf, *self.steps)
         return self[pf]  # type: ignore[no-any-return]
 
+    def fill(self, pfs: list[ProcessFiles], pool: Executor | None) -> None:
+        """The plans of ``pfs`` made now: by ``pool`` when given (each is a few bisection reads)."""
+        todo = [pf for pf in pfs if pf not in self]
+        if self.steps is None or not todo:
+            return
+        if pool is None:
+            for pf in todo:
+                self.of(pf)
+            return
+        lo, hi = self.steps
+        for pf, got in zip(todo, pool.map(_plan_task, [(pf, lo, hi) for pf in todo], chunksize=WINDOW_CHUNK)):
+            self[pf] = got
+
     def size(self, pf: ProcessFiles) -> int:
         """The bytes of ``pf`` the export reads: its window's, or all of them."""
         plan = self.of(pf)
         return plan.nbytes if plan is not None else pf.size
 
 
+@contextmanager
+def _window_pool(steps: tuple[int, int] | None, workers: int | None, processes: int) -> Iterator[Executor | None]:
+    """A pool for a window's plans and reads when it has at least :data:`WINDOW_POOL_MIN` processes
+    and more than one worker is allowed; else None (the work is done here)."""
+    workers = min(workers or os.cpu_count() or 1, processes)
+    if steps is None or workers < 2 or processes < WINDOW_POOL_MIN:
+        yield None
+        return
+    with ProcessPoolExecutor(workers, mp_context=pool_context()) as pool:
+        yield pool
+
+
+def _plan_task(args: tuple[ProcessFiles, int, int]) -> window.Plan | None:
+    """Worker: one process's window plan."""
+    return window.plan(*args)
+
+
+def _window_task(args: tuple[ProcessFiles, int, Head | None, window.Plan | None, tuple[int, int], bool]
+                 ) -> tuple[ProcessState, int, list[str], int]:
+    """Worker: one process's window read (``keep``: its spans too), its bad lines, warnings and bytes
+    read (only a kept read's are reported, as here)."""
+    pf, attempt, meta, plan, steps, keep = args
+    warnings: list[str] = []
+    nbytes: list[int] = []
+    local = Reader(warn=warnings.append if keep else _quiet, progress=nbytes.append)
+    state = read_process(pf, attempt, local, keep=keep, steps=steps, meta=meta, plan=plan)
+    state._sinks = state._comm_sinks = {}  # bound appenders: made again on demand, not worth pickling
+    return state, local.malformed_lines, warnings, sum(nbytes)
+
+
+def _window_states(everyone: list[tuple[ProcessFiles, int, Head | None]], plans: Plans, reader: Reader | None,
+                   keep: set[ProcessFiles] | frozenset, pool: Executor | None) -> list[ProcessState]:
+    """Each process's window read (see :func:`plan_states`): here, or by ``pool``."""
+    kept = [pf in keep and reader is not None for pf, _, _ in everyone]
+    if pool is None:
+        return [read_process(pf, attempt, reader if k else Reader(warn=_quiet), keep=k,  # type: ignore[arg-type]
+                             steps=plans.steps, meta=meta, plan=plans.of(pf))
+                for (pf, attempt, meta), k in zip(everyone, kept)]
+    tasks = [(pf, attempt, meta, plans.of(pf), plans.steps, k) for (pf, attempt, meta), k in zip(everyone, kept)]
+    states = []
+    for k, (state, malformed, warnings, nbytes) in zip(kept, pool.map(_window_task, tasks, chunksize=WINDOW_CHUNK)):
+        if k:
+            reader.absorb(malformed, warnings, nbytes)  # type: ignore[union-attr]
+        states.append(state)
+    return states
+
+
 def plan_states(everyone: list[tuple[ProcessFiles, int, Head | None]], plans: Plans, store: Cache,
                 reader: Reader | None = None, keep: set[ProcessFiles] | frozenset = frozenset(),
-                workers: int | None = None) -> Run:
+                workers: int | None = None, pool: Executor | None = None) -> Run:
     """What the comm plan is made from, for every process of the run (exported or not): with a window,
-    each process's window read (its comm ops, groups and mesh; docs/analysis.md, "Reading"), those in
-    ``keep`` read whole (``keep=True``, by ``reader``) and kept in ``plans.read`` for the rendering; else
-    its state in the read cache (``store``) when served exactly, or its comm records (a byte search, :func:`scan_comm`)."""
+    each process's window read (its comm ops, groups and mesh; docs/analysis.md, "Reading"; by ``pool``
+    when given), those in ``keep`` read whole (``keep=True``, by ``reader``) and kept in ``plans.read``
+    for the rendering; else its state in the read cache (``store``) when served exactly, or its comm
+    records (a byte search, :func:`scan_comm`)."""
     if plans.steps is not None:
-        states = []
-        for pf, attempt, meta in everyone:
-            kept = pf in keep and reader is not None
-            state = read_process(pf, attempt, reader if kept else Reader(warn=_quiet), keep=kept,  # type: ignore[arg-type]
-                                 steps=plans.steps, meta=meta, plan=plans.of(pf))
-            if kept:
+        states = _window_states(everyone, plans, reader, keep, pool)
+        for (pf, _, _), state in zip(everyone, states):
+            if pf in keep and reader is not None:
                 plans.read[pf] = state
-            states.append(state)
         return Run([s for s in states if s.records])
     states: list[ProcessState | None] = []
     for pf, attempt, _meta in everyone:
