@@ -16,6 +16,22 @@ from otel_train import schema as S
 ReadRecords = Callable[..., list[dict]]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _children_keep_their_temporary_files_here(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Child processes' temporary files go under this session's pytest directory (which pytest prunes),
+    not into /tmp: each torchrun leaves an empty ``torchelastic_*`` directory there, about 55 a suite.
+    The name is short: sockets made below it (multiprocessing's forkserver, chromium) stay within
+    AF_UNIX's 108 bytes."""
+    here = tmp_path_factory.mktemp("t")
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(here)
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_runtime() -> Iterator[None]:
     yield
