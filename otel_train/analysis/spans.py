@@ -155,12 +155,13 @@ class CommLog:
     as integers. :meth:`op` makes the :class:`~otel_train.analysis.comm.CommOp` of row ``i``.
     """
 
-    __slots__ = ("strings", "_index", "start", "end", "seq", "peer", "nbytes", "step", "tid", "sid", "codes",
-                 "odd_sids")
+    __slots__ = ("strings", "_index", "_sixes", "start", "end", "seq", "peer", "nbytes", "step", "tid", "sid",
+                 "codes", "odd_sids")
 
     def __init__(self) -> None:
         self.strings: list[str | None] = [None]
         self._index: dict[str | None, int] = {None: 0}
+        self._sixes: dict[tuple[str | None, ...], tuple[int, ...]] = {}  # (group, op, ...) -> their codes: few repeat
         self.start, self.end = array("d"), array("d")
         self.seq, self.peer, self.nbytes, self.step, self.tid = (array("q") for _ in range(5))
         self.sid = array("Q")
@@ -184,16 +185,22 @@ class CommLog:
         row = len(self.seq)
         self.start.append(start)
         self.end.append(float("nan") if end is None else end)
-        for column, value in ((self.seq, seq), (self.peer, peer), (self.nbytes, nbytes), (self.step, step),
-                              (self.tid, tid)):
-            column.append(_NONE if value is None else value)
+        self.seq.append(_NONE if seq is None else seq)
+        self.peer.append(_NONE if peer is None else peer)
+        self.nbytes.append(_NONE if nbytes is None else nbytes)
+        self.step.append(_NONE if step is None else step)
+        self.tid.append(_NONE if tid is None else tid)
         try:
             self.sid.append(int(sid, 16) if sid and len(sid) <= 16 else 0)
         except ValueError:
             self.sid.append(0)
         if sid and not self.sid[row]:
             self.odd_sids[row] = sid
-        self.codes.extend(map(self._code, (group, op, dtype, state, clock, phase)))
+        six = (group, op, dtype, state, clock, phase)
+        codes = self._sixes.get(six)
+        if codes is None:
+            codes = self._sixes[six] = tuple(map(self._code, six))
+        self.codes.extend(codes)
 
     def op(self, i: int, rank: int, attempt: int) -> CommOp:
         """Row ``i`` as a CommOp."""
@@ -780,7 +787,7 @@ def restrict(state: ProcessState, lo: int, hi: int) -> None:
     names = set(state.phases) | {u.name for u in state.unclosed}
     state.parents = {k: v for k, v in state.parents.items() if k in names}
     log, kept = state.comm, CommLog()
-    kept.strings, kept._index, kept.odd_sids = log.strings, log._index, {}
+    kept.strings, kept._index, kept._sixes, kept.odd_sids = log.strings, log._index, log._sixes, {}
     for i in range(len(log)):
         if lo <= log.step[i] <= hi:
             for column in ("start", "end", "seq", "peer", "nbytes", "step", "tid", "sid"):
