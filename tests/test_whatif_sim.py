@@ -5,6 +5,7 @@ the top attribution right in every case, the shares)."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -318,3 +319,27 @@ def test_summarize_names_the_slow_worker_not_the_ranks_its_pipeline_made_wait(tm
     assert done.exit_code == 0, done.output
     found = [f for f in json.loads(done.output)["findings"] if f["kind"] == "straggler"]
     assert found and {f["rank"] for f in found} == {truth.top}, found
+
+
+def test_a_split_simulation_gives_the_same_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """graph.simulate_split: half the scenarios simulated by a forked copy (a large run's what-if) give
+    the answer of one process, to the last bit; the fork is counted, so the test fails without one."""
+    from otel_train.analysis import graph
+
+    write_job(tmp_path / "run", dp=2, pp=4, tp=1, steps=STEPS, microbatches=8, schedule="1f1b", cause="worker",
+              seed=5)
+    alone = typical(tmp_path / "run")
+    monkeypatch.setattr(graph, "SPLIT_MIN", 0)
+    forks: list[int] = []
+
+    class Counted(graph.ProcessPoolExecutor):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            forks.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(graph, "ProcessPoolExecutor", Counted)
+    # Forked whatever threads an earlier test left behind (the library itself forks only with one thread).
+    monkeypatch.setattr(graph, "pool_context", lambda: multiprocessing.get_context("fork"))
+    split = typical(tmp_path / "run")
+    assert json.dumps(split, sort_keys=True) == json.dumps(alone, sort_keys=True)
+    assert len(forks) == 1  # the answer's scenarios; the worker-share pass is one scenario: never split

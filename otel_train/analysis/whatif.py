@@ -420,7 +420,7 @@ def _replay(g: graph.Graph, scenarios: dict[Any, np.ndarray]) -> dict[Any, np.nd
         where.append(index[b])
     masks = np.ones((len(rows), g.fixed + 1), bool)
     masks[:, :-1] = np.array(rows)
-    times = graph.step_times(graph.simulate(g, masks))
+    times = graph.step_times(graph.simulate_split(g, masks))
     return {k: times[w] for k, w in zip(keys, where)}
 
 
