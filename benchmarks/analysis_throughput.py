@@ -329,20 +329,20 @@ def window_args(run: Path, first: int, out: Path) -> list[tuple[str, list[str]]]
                                            "--steps", steps])]
 
 
-def target_round(run: Path, small: Path, out: Path, env: dict[str, str], first: int) -> list[Row]:
+def target_round(run: Path, small: Path, out: Path, env: dict[str, str], first: int, only: str = "") -> list[Row]:
     """One round: the DuckDB process, the start-up reference, each command read first (cache cleared)
-    then again, and the 10-step windows (cache cleared)."""
+    then again, and the 10-step windows (cache cleared); ``only``: the commands whose label starts so."""
     rows: list[Row] = [("DuckDB query, in its own Python process", *process([sys.executable, "-c", DUCK_PROCESS,
                                                                               duckdb_sql(run)], env))]
     # The start-up reference reads and analyses its tiny run, as a window does (cache removed: a remembered
     # answer would import no analysis and make every window look slower than it is).
     shutil.rmtree(small / CACHE_DIR, ignore_errors=True)
     rows.append(("start-up: `summarize --json`, 2 ranks × 20 steps", *cli("summarize", str(small), "--json", env=env)))
-    for label, args in commands(run, out):
+    for label, args in (c for c in commands(run, out) if c[0].startswith(only)):
         shutil.rmtree(run / CACHE_DIR, ignore_errors=True)
         rows.append((f"`{label}`", *cli(*args, env=env)))
         rows.append((f"`{label}`, second read", *cli(*args, env=env)))
-    for label, args in window_args(run, first, out):
+    for label, args in window_args(run, first, out) if not only else []:
         shutil.rmtree(run / CACHE_DIR, ignore_errors=True)
         rows.append((f"`{label} --steps` (10 steps)", *cli(*args, env=env)))
     for f in out.glob("*.pftrace"):
@@ -363,14 +363,14 @@ def busy_loop() -> Iterator[None]:
 
 
 def conditions(run: Path, small: Path, out: Path, env: dict[str, str], first: int,
-               repeat: int) -> dict[str, tuple[list[list[Row]], str]]:
+               repeat: int, only: str = "") -> dict[str, tuple[list[list[Row]], str]]:
     """Rounds quiet and beside the busy loop, each with its 1-minute load average before and after."""
     process([sys.executable, "-c", DUCK_PROCESS, duckdb_sql(run)], env)  # the run in the page cache, duckdb's bytecode
     result = {}
     for name in ("quiet", "busy loop"):
         with busy_loop() if name == "busy loop" else nullcontext():
             load0 = os.getloadavg()[0]
-            rounds = [target_round(run, small, out, env, first) for _ in range(repeat)]
+            rounds = [target_round(run, small, out, env, first, only) for _ in range(repeat)]
             result[name] = (rounds, f"load {load0:.1f} → {os.getloadavg()[0]:.1f}")
         print(f"{name}: {result[name][1]}", file=sys.stderr)
     return result
@@ -448,8 +448,9 @@ def targets(args: argparse.Namespace, run: Path, label: str, steps: int) -> None
     env = bench_env(args.cache)
     cli("summarize", str(small), "--json", env=env)  # bytecode written before anything is timed
     print(f"start: {time.strftime('%H:%M')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
-    print("\n".join(import_rows(small, args.cache)) + "\n")
-    result = conditions(run, small, out, env, steps // 2, args.repeat)
+    if not args.only:
+        print("\n".join(import_rows(small, args.cache)) + "\n")
+    result = conditions(run, small, out, env, steps // 2, args.repeat, args.only)
     print("\n".join(target_table(result, label, args.big)) + "\n")
     if args.scale_kib:
         print("\n".join(scale_windows(args.cache, args.scale_kib, env, out)))
@@ -472,6 +473,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="rounds; each row shows the median (and range)")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "otel-train-bench")
     parser.add_argument("--targets", action="store_true", help="issue 20's targets, process to process")
+    parser.add_argument("--only", default="", help="with --targets: only the commands whose label starts so "
+                        "(e.g. 'stats'), without the start-up table and the windows")
     parser.add_argument("--scale-kib", type=int, default=0, help="with --targets: windows on the 1,024-rank "
                         "scale simulation at this and 8x this KiB per rank")
     args = parser.parse_args()

@@ -95,6 +95,45 @@ def test_stats_json_and_csv(hung_run: Path, tmp_path: Path) -> None:
     assert {"step_ms", "data_fetch_ms", "backward_ms"} <= table[0].keys()
 
 
+def _epochs_again(p: Proc, marks: list[int]) -> None:
+    """Rewrite ``p``'s records: epoch e from line marks[e-1] on (its steps start again each epoch)."""
+    lines = []
+    for i, line in enumerate(p.lines):
+        rec = json.loads(line)
+        if schema.EPOCH in rec:
+            rec[schema.EPOCH] = sum(i >= m for m in marks)
+        lines.append(json.dumps(rec))
+    p.lines = lines
+
+
+def test_stats_json_made_a_process_at_a_time_is_the_whole_text(tmp_path: Path) -> None:
+    from otel_train.analysis.spans import load_run
+    from otel_train.analysis.stats import compute_stats
+    from otel_train.cli._common import json_text
+    from otel_train.cli.stats import stats_json
+
+    again, odd, idle = Proc(rank=0, world_size=3), Proc(rank=1, world_size=3), Proc(rank=2, world_size=3)
+    again.steps(range(4))
+    marks = [len(again.lines)]
+    again.steps(range(4))  # the second epoch's steps 0-3 again: renumbered 4-7, with (epoch, epoch_step)
+    odd.steps(range(3), {"fetch\u202e\x7f": 5.0, BACKWARD: 9.0})  # a bidi control, DEL
+    odd.step(3, {"fetch\u202e\x7f": 5.0})  # no backward: a gap in its column
+    for p in (again, odd, idle):  # rank 2 records no step at all: no rows between rank 0's and rank 1's
+        p.shutdown()
+    _epochs_again(again, marks)
+    write_run(tmp_path / "run", [again, odd, idle])
+    run = load_run(tmp_path / "run", cache=False)
+    text = stats_json(run)
+    assert text == json_text(compute_stats(run))
+    rows = json.loads(text)["steps"]
+    assert [(r["rank"], r["step"], r.get("epoch"), r.get("epoch_step")) for r in rows][3:5] == [(0, 3, 0, 3), (0, 4, 1, 0)]
+    assert len(rows) == 12 and BACKWARD not in rows[-1]["phases"] and "\\u202e" in text and "\\u007f" in text
+    assert _invoke("stats", str(tmp_path / "run"), "--json", "--no-cache").stdout == text
+    write_run(tmp_path / "none", [Proc(rank=0, world_size=1)])  # no step anywhere: "steps": []
+    run = load_run(tmp_path / "none", cache=False)
+    assert stats_json(run) == json_text(compute_stats(run)) and '"steps": []' in stats_json(run)
+
+
 def test_stats_text_and_unwritable_csv(hung_run: Path, tmp_path: Path) -> None:
     result = _invoke("stats", str(hung_run))
     assert result.exit_code == 0 and "Straggler score" in result.stdout

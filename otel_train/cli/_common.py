@@ -175,6 +175,13 @@ def json_text(obj: Any) -> str:
     return json_safe(msgspec.json.format(raw, indent=2).decode()) + "\n"
 
 
+def json_part(obj: Any, level: int) -> str:
+    """:func:`json_text` of ``obj`` as it reads ``level`` deep inside an indented object, without the
+    final newline: a big result's text made a part at a time, the same bytes as the whole."""
+    text = json_text(obj)[:-1]
+    return text.replace("\n", "\n" + "  " * level) if level else text
+
+
 def print_text(text: str) -> None:
     """Write ``text`` on stdout as it is."""
     sys.stdout.write(text)

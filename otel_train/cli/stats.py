@@ -10,12 +10,14 @@ import typer
 
 from otel_train.cli._app import app
 from otel_train.cli._text import clean, console
-from otel_train.cli._common import (RUN_ID_HELP, cli_errors, fmt_ms, json_text, load, print_json, print_text, select_run,
-                                    warn)
+from otel_train.cli._common import (RUN_ID_HELP, cli_errors, fmt_ms, json_part, load, print_json, print_text,
+                                    select_run, warn)
 from otel_train.cli._remember import remembered
 
 if TYPE_CHECKING:  # rich and the analysis are imported where they are used: start-up stays small
     from rich.console import Console
+
+    from otel_train.analysis.spans import Run
 
 SLOWEST_STEPS_SHOWN = 10
 
@@ -43,8 +45,8 @@ def stats(
 
         key = {"steps": steps, "run_id": run_id}
         if as_json and csv_file is None:  # its text kept: 64,000 rank-steps are 19 MB of JSON to encode again
-            print_text(remembered("stats", [path], {**key, "as": "json"}, lambda: json_text(compute()),
-                                  enabled=not no_cache))
+            text = lambda: stats_json(load(path, steps=steps, cache=not no_cache))  # noqa: E731
+            print_text(remembered("stats", [path], {**key, "as": "json"}, text, enabled=not no_cache))
             return
         result = remembered("stats", [path], key, compute, enabled=not no_cache)
         if csv_file is not None:
@@ -54,6 +56,22 @@ def stats(
             print_json(result)
         else:
             _render(clean(result), console())
+
+
+def stats_json(run: Run) -> str:
+    """``json_text(compute_stats(run))``, its step rows made and encoded a process at a time: a 1 GB run's
+    216,000 rows are never all dicts at once (docs/benchmarks.md, "stats at 1 GB")."""
+    from otel_train.analysis.stats import phase_rows, process_step_rows, score_rows
+
+    key = ',\n  "steps": '
+    parts = ['{\n  "phases": ', json_part(phase_rows(run), 1), key]
+    for rows in map(process_step_rows, run.processes):
+        if rows:  # "[\n" + items + "\n  ]" of its own list: the items, then joined as one list's
+            parts += ["[\n" if parts[-1] is key else ",\n", json_part(rows, 1)[2:-4]]
+    parts.append("[]" if parts[-1] is key else "\n  ]")
+    parts += [',\n  "straggler_scores": ', json_part(score_rows(run), 1),
+              ',\n  "malformed_lines": ', json_part(run.malformed_lines, 1), "\n}\n"]
+    return "".join(parts)
 
 
 def write_steps_csv(rows: list[dict[str, Any]], path: Path) -> None:
