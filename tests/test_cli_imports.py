@@ -10,6 +10,7 @@ in docs/benchmarks.md ("Start-up").
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,19 +30,29 @@ try:
         otel_train.cli.main()
 except SystemExit as exc:
     code = exc.code
-print(json.dumps({"code": code, "modules": sorted(sys.modules)}), file=sys.stderr)
+import os
+threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+print(json.dumps({"code": code, "modules": sorted(sys.modules), "threads": threads,
+                  "blas": os.environ.get("OPENBLAS_NUM_THREADS")}), file=sys.stderr)
 """
 
 HEAVY = ("numpy", "msgspec", "pydantic", "opentelemetry", "torch", "matplotlib", "duckdb", "google.protobuf")
 """Modules no command needs before it reads a run."""
 
 
+def _report(*argv: str) -> dict:
+    """What the probe says of ``otel-train *argv`` in a fresh interpreter (no BLAS thread count set)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    proc = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120, env=env)
+    report = json.loads(proc.stderr.strip().splitlines()[-1])
+    report["stdout"] = proc.stdout
+    return report
+
+
 def _imported(*argv: str) -> tuple[object, set[str], str]:
     """(exit code, every module imported, stdout) of ``otel-train *argv`` in a fresh interpreter."""
-    proc = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)
-    last = proc.stderr.strip().splitlines()[-1]
-    report = json.loads(last)
-    return report["code"], set(report["modules"]), proc.stdout
+    report = _report(*argv)
+    return report["code"], set(report["modules"]), report["stdout"]
 
 
 def _loaded(modules: set[str], *roots: str) -> list[str]:
@@ -93,6 +104,17 @@ def test_summarize_json_loads_only_what_it_uses(small_run: Path) -> None:
               "otel_train.analysis.push", "otel_train.analysis.otlp", "otel_train.analysis.otlp_send",
               "otel_train.analysis.plot", "otel_train.analysis.fast", "otel_train.runtime")
     assert _loaded(modules, "rich", *unused, "opentelemetry", "torch", "matplotlib", "duckdb", "pydantic") == []
+
+
+def test_reading_a_small_run_starts_no_pool_and_no_blas_threads(small_run: Path) -> None:
+    """A small run is read in this process: no pool's modules; no dumps, so no Flight Recorder reader;
+    and numpy's OpenBLAS starts no thread pool (it cost 40 ms of start-up beside a busy core)."""
+    report = _report("summarize", str(small_run), "--json", "--no-cache")
+    assert report["code"] == 0 and "otel_train.analysis.summary" in report["modules"]
+    assert _loaded(set(report["modules"]), "multiprocessing", "concurrent.futures", "secrets",
+                   "otel_train.analysis.flight_recorder") == []
+    assert report["blas"] == "1"
+    assert report["threads"] in (1, None)  # the main thread alone
 
 
 def test_stats_json_loads_no_findings_or_export(small_run: Path) -> None:

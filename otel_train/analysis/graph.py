@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -1032,14 +1031,18 @@ def simulate_split(g: Graph, masks: np.ndarray) -> np.ndarray:
     and weight terms are made first, here, for both. A copy that fails is redone here."""
     global _INHERITED
     S = masks.shape[0]
+    if S < 2 or S * int(g.nodes[-1]) < SPLIT_MIN or (os.cpu_count() or 1) < 2:
+        return simulate(g, masks)
     context = pool_context()
-    if S < 2 or S * int(g.nodes[-1]) < SPLIT_MIN or (os.cpu_count() or 1) < 2 or context.get_start_method() != "fork":
+    if context.get_start_method() != "fork":
         return simulate(g, masks)
     for b in range(g.steps.size):
         plan(g, b)
     _weight_terms(g)
     half = S // 2
     _INHERITED = (g, masks[half:])
+    from concurrent.futures import ProcessPoolExecutor  # here: only a large simulation starts a pool
+
     try:
         with ProcessPoolExecutor(1, mp_context=context) as pool:
             other = pool.submit(_simulate_inherited)

@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import contextvars
 import gc
-import multiprocessing
 import os
 import re
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -67,6 +65,9 @@ from otel_train.analysis.records import (
 from otel_train.analysis.reading import window
 from otel_train.analysis.reading.cache import Cache, identify
 from otel_train.phases import STEP, STEP_PHASES
+
+if TYPE_CHECKING:  # the pool's modules are imported when a run is big enough for a pool
+    import multiprocessing.context
 
 STATUS_OPEN = "open"
 """A span with a start record and no end record (the process died inside it, or is still inside)."""
@@ -976,6 +977,8 @@ def _read_all(tasks: list[tuple[ProcessFiles, int, Head | None]], store: Cache, 
         out[i] = (state, warnings)
     todo = [i for i, got in enumerate(out) if got is None]
     if workers > 1 and len(todo) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
         with ProcessPoolExecutor(min(workers, len(todo)), mp_context=pool_context()) as pool:
             read = list(pool.map(_read_task, [tasks[i] for i in todo]))
     else:
@@ -1048,6 +1051,8 @@ def clock_domains(states: list[ProcessState]) -> None:
 
 def pool_context() -> multiprocessing.context.BaseContext:
     """The multiprocessing context for analysis pools."""
+    import multiprocessing
+
     # fork is cheapest, but forking a process that runs other threads can deadlock them.
     if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("fork")

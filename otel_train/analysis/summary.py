@@ -13,7 +13,6 @@ import numpy as np
 from otel_train import schema
 from otel_train.analysis.comm import CommOp, Group
 from otel_train.analysis.findings import findings
-from otel_train.analysis.flight_recorder import read_dumps
 from otel_train.analysis.goodput import goodput
 from otel_train.analysis.records import Warn, logs_dir, warn_to_stderr
 from otel_train.analysis.reading.cache import uses
@@ -52,6 +51,8 @@ def read_fr(path: str | Path, warn: Warn | None = None, run: Run | None = None) 
     uses(path)  # a remembered result depends on the dumps, there or not (reading/cache.py)
     if not path.exists():
         return [], []
+    from otel_train.analysis.flight_recorder import read_dumps  # here: most runs have no dumps to read
+
     states = run.processes if run is not None else []
     known = [g for d in states for g in d.comm_groups.values()]
     world = max((d.world_size or 0 for d in states), default=0) or None

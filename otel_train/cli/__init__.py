@@ -8,6 +8,7 @@ registers it.
 from __future__ import annotations
 
 import importlib
+import os
 
 from otel_train.cli._app import app
 
@@ -19,6 +20,9 @@ for _name in COMMANDS:
 
 def main() -> None:
     """Console-script entry point."""
+    # The analysis is numpy vector code, one thread: OpenBLAS's pool (one thread a CPU, started when numpy
+    # is imported) only costs start-up, most when another job holds a core (docs/benchmarks.md, "Start-up").
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     app()
 
 

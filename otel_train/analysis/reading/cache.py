@@ -39,7 +39,6 @@ import hashlib
 import importlib.util
 import os
 import pickle
-import secrets
 import stat
 import sys
 import zlib
@@ -234,7 +233,7 @@ def _load(entry: Path) -> dict | bool | None:
 
 
 def _write(entry: Path, data: bytes) -> None:
-    tmp = entry.with_name(f".{entry.name}.{secrets.token_hex(6)}.tmp")
+    tmp = entry.with_name(f".{entry.name}.{os.urandom(6).hex()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError:
