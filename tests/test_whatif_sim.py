@@ -324,6 +324,8 @@ def test_summarize_names_the_slow_worker_not_the_ranks_its_pipeline_made_wait(tm
 def test_a_split_simulation_gives_the_same_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """graph.simulate_split: half the scenarios simulated by a forked copy (a large run's what-if) give
     the answer of one process, to the last bit; the fork is counted, so the test fails without one."""
+    import concurrent.futures
+
     from otel_train.analysis import graph
 
     write_job(tmp_path / "run", dp=2, pp=4, tp=1, steps=STEPS, microbatches=8, schedule="1f1b", cause="worker",
@@ -332,12 +334,13 @@ def test_a_split_simulation_gives_the_same_answer(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(graph, "SPLIT_MIN", 0)
     forks: list[int] = []
 
-    class Counted(graph.ProcessPoolExecutor):  # type: ignore[misc]
+    class Counted(concurrent.futures.ProcessPoolExecutor):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             forks.append(1)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(graph, "ProcessPoolExecutor", Counted)
+    # graph imports the pool where it starts one (a small read never pays for the import): patched at its source.
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Counted)
     # Forked whatever threads an earlier test left behind (the library itself forks only with one thread).
     monkeypatch.setattr(graph, "pool_context", lambda: multiprocessing.get_context("fork"))
     split = typical(tmp_path / "run")
