@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -463,6 +464,52 @@ def test_a_stall_that_ends_is_announced_after_the_next_record(
     assert [s for s in got if 0 <= s < 2000] == [i for i, ok in enumerate(results) if ok]
     err = capsys.readouterr().err
     assert "has stalled" in err and "resumed after" in err and f"{dropped} record(s)" in err
+
+
+def test_a_stall_ends_behind_a_producer_faster_than_the_storage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The storage answers again, but slower than the caller makes records (the fault suite's FIFO read by
+    a busy test process, CI stop 30): the queue would stay full and the stall open for ever. From the
+    report on the queue's end advances at half the writer's pace, so the writer catches up and the stall
+    is announced; every record dropped meanwhile is counted in the notice."""
+    from otel_train.exporters.jsonl import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "QUEUE_MAX_BYTES", 64 << 10)
+    monkeypatch.setattr(writer_module, "SYNC_BYTES", 32 << 10)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    w = QueuedWriter(RotatingFileWriter(fifo, max_bytes=1 << 30, backup_count=0))
+    notices: list[dict] = []
+    w.on_notice = lambda attrs: notices.append(dict(attrs))
+    stream = bytearray()
+    stop = threading.Event()
+
+    def slow_storage() -> None:  # at most 0.2 MB/s: a sync point (32 KiB) takes longer than STALL_S
+        while not stop.is_set():
+            try:
+                stream.extend(os.read(reader, 1024))
+            except BlockingIOError:
+                pass
+            time.sleep(0.005)
+
+    storage = threading.Thread(target=slow_storage, daemon=True)
+    storage.start()
+    results: list[bool] = []
+    deadline = time.monotonic() + 30
+    while not notices and time.monotonic() < deadline:
+        results.append(w.write(record(len(results), pad=200)))
+    stop.set()
+    storage.join(5)
+    assert notices, f"the stall never ended: {len(results)} records made, {results.count(False)} dropped"
+    (notice,) = notices
+    assert notice["reason"] == "trace file write stalled"
+    assert notice["dropped_records"] == results.count(False) > 0
+    w.close()
+    os.close(reader)
+    err = capsys.readouterr().err
+    assert "has stalled" in err and "resumed after" in err, err
 
 
 def test_a_fork_child_never_writes_or_waits_through_the_parents_writer(tmp_path: Path) -> None:

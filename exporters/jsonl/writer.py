@@ -28,6 +28,9 @@ writer to catch up and check the file, at most ``STALL_S``. A writer that has no
 stalled: nobody waits for it any more, lines are queued up to ``QUEUE_MAX_BYTES`` and dropped past it,
 counted. A stall that lasts ``STALL_REPORT_S`` or costs a record is reported on stderr, and once the
 writer has caught up one more line and a notice record say how long it stalled and what was dropped.
+From the report on, the queue's end advances at most half as fast as the writer writes, so a writer
+that answers again catches up (after at most ``2 × QUEUE_MAX_BYTES``) even behind a producer faster
+than it: the stall ends and is announced, and what did not fit is dropped, counted.
 """
 
 from __future__ import annotations
@@ -557,7 +560,8 @@ class QueuedWriter:
     __slots__ = (
         "_file", "_queue", "_put", "_thread", "_pos", "_done", "_limit", "_busy_since", "_current",
         "_stalled_since", "_stall_reported", "_stall_dropped", "_stall_dropped_bytes", "_dropped",
-        "_dropped_bytes_own", "_losses", "_notices", "_closed", "_forked", "_missed", "_deadline", "on_loss",
+        "_dropped_bytes_own", "_losses", "_notices", "_closed", "_forked", "_missed", "_deadline", "_reported_done",
+        "on_loss",
         "on_notice", "__weakref__",
     )
 
@@ -576,6 +580,7 @@ class QueuedWriter:
         self._stalled_since = 0.0  # when what the writer has not finished began; 0.0 while healthy
         self._stall_reported = False
         self._stall_dropped = self._stall_dropped_bytes = 0  # in this stall
+        self._reported_done = 0  # _done when this stall was reported (_queue_or_drop's budget)
         self._dropped = self._dropped_bytes_own = 0  # in all: stalls, abandoned at close; bytes also after close
         self._losses: deque[tuple[int, int]] = deque()  # deleted-file losses, not yet announced
         self._notices: deque[dict[str, Any]] = deque()  # ended stalls, not yet announced
@@ -765,10 +770,14 @@ class QueuedWriter:
 
     def _queue_or_drop(self, line: bytes) -> bool:
         # Stalled: nobody waits. The line waits in memory while there is room, else it is dropped, counted.
+        # Once the stall is reported the room grows by half of what the writer writes, not all of it: the
+        # backlog shrinks whatever the caller makes, so a writer that answers again catches up and the
+        # stall ends (a producer faster than the storage kept the queue full, and the stall open, forever).
         n = len(line)
         if not self._stall_reported and time.monotonic() - self._stalled_since >= STALL_REPORT_S:
             self._report_stall()
-        if self._pos - self._done + n <= QUEUE_MAX_BYTES:
+        done = (self._done + self._reported_done) >> 1 if self._stall_reported else self._done
+        if self._pos - done + n <= QUEUE_MAX_BYTES:
             self._pos += n
             self._put(line)
             return True
@@ -782,6 +791,7 @@ class QueuedWriter:
 
     def _report_stall(self) -> None:
         self._stall_reported = True
+        self._reported_done = self._done
         stalled_s = time.monotonic() - self._stalled_since
         _report.report(f"write stalled {self.path}",
                        f"writing {self.path} has stalled: a write or a check of the file has not returned for "
