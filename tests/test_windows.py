@@ -385,6 +385,34 @@ def test_the_quick_head_equals_the_full_heads_answer(tmp_path: Path) -> None:
     assert whole._quick_head(late) is None and whole.head(late).job_id == "slurm-42"  # type: ignore[union-attr]
 
 
+def test_peek_decodes_only_the_lines_it_returns_and_returns_the_first_readable_ones(tmp_path: Path) -> None:
+    """reading.whole.peek decodes a segment's first lines still wanted, not its whole 64 KiB; what it
+    returns is still the first ``limit`` readable lines, one by one, across segments and bad lines."""
+    from otel_train.analysis.reading import whole
+    from otel_train.analysis.reading.discovery import open_regular
+    from otel_train.analysis.reading.types import RECORD_DECODER
+
+    def first_readable(pf, limit: int) -> list:
+        out = []
+        for path in pf.paths:
+            with open_regular(path) as f:
+                for line in f.read(64 * 1024).split(b"\n"):
+                    try:
+                        out.append(RECORD_DECODER.decode(line))
+                    except Exception:  # noqa: BLE001 - the reference skips what does not decode
+                        continue
+        return out[:limit]
+
+    for n, (garbage, per_segment) in enumerate([(None, None), ({3: b"{torn"}, None), ({70: b"\x00 bad"}, 40),
+                                                ({0: b"{", 1: b"nope"}, 7)]):
+        p = Proc(rank=0, world_size=1)
+        p.steps(range(40))
+        write_run(tmp_path / str(n), [p], garbage=garbage, lines_per_segment=per_segment, torn_tail=n == 3)
+        for pf in find_process_files(tmp_path / str(n), warn=lambda _m: None):
+            for limit in (1, 5, 64, 150, 1000):
+                assert whole.peek(pf, limit=limit) == first_readable(pf, limit), (n, limit)
+
+
 @pytest.mark.parametrize("fmt", ["chrome", "perfetto"])
 def test_a_window_planned_and_read_by_a_pool_exports_the_same_bytes(comm_run: Path, tmp_path: Path, fmt: str,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:

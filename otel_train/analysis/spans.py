@@ -679,32 +679,20 @@ def assign_attempts(pfs: Iterable[ProcessFiles], heads: dict[ProcessFiles, Head 
 
 def keep_steps(state: ProcessState, lo: int, hi: int) -> None:
     """Keep (``keep=True`` state) the spans, instants and scalars of steps ``lo..hi`` (inclusive), and
-    those without a step that overlap the in-range ones in time (an enclosing epoch span, say)."""
-
-    def in_range(step: int | None) -> bool:
-        return step is not None and lo <= step <= hi
-
-    times = [s.start_ts for s in state.spans if in_range(s.step)]
-    times += [s.end_ts for s in state.spans if in_range(s.step) and s.end_ts is not None]
-    times += [r.ts for r in (*state.instants, *state.scalars) if in_range(r.step)]
+    those without a step that overlap the in-range ones in time (an enclosing epoch span, say). The
+    comparisons are written inline: a window of 1,024 processes makes half a million of them."""
+    inside = [s for s in state.spans if s.step is not None and lo <= s.step <= hi]
+    records = [r for r in (*state.instants, *state.scalars) if r.step is not None and lo <= r.step <= hi]
+    times = [s.start_ts for s in inside] + [s.end_ts for s in inside if s.end_ts is not None] + [r.ts for r in records]
     if not times:
         state.spans, state.instants, state.scalars = [], [], []
         return
     t0, t1 = min(times), max(times)
     last = state.last_ts or t1
-
-    def keep_span(s: Span) -> bool:
-        if s.step is not None:
-            return in_range(s.step)
-        end = s.end_ts if s.end_ts is not None else last
-        return s.start_ts <= t1 and end >= t0
-
-    def keep_record(r: Instant | Scalar) -> bool:
-        return in_range(r.step) if r.step is not None else t0 <= r.ts <= t1
-
-    state.spans = [s for s in state.spans if keep_span(s)]
-    state.instants = [r for r in state.instants if keep_record(r)]
-    state.scalars = [r for r in state.scalars if keep_record(r)]
+    state.spans = [s for s in state.spans if (lo <= s.step <= hi if s.step is not None else
+                                              s.start_ts <= t1 and (s.end_ts if s.end_ts is not None else last) >= t0)]
+    state.instants = [r for r in state.instants if (lo <= r.step <= hi if r.step is not None else t0 <= r.ts <= t1)]
+    state.scalars = [r for r in state.scalars if (lo <= r.step <= hi if r.step is not None else t0 <= r.ts <= t1)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def peek(pf: ProcessFiles, type_: Any = RECORD_TYPES, limit: int = 64) -> list[A
 
     Reads at most 64 KiB per segment and counts nothing: the full read does the counting.
     """
-    decoder = msgspec.json.Decoder(type_)
+    decoder = RECORD_DECODER if type_ is RECORD_TYPES else msgspec.json.Decoder(type_)
     out: list[Any] = []
     for path in pf.paths:
         try:
@@ -78,13 +78,16 @@ def peek(pf: ProcessFiles, type_: Any = RECORD_TYPES, limit: int = 64) -> list[A
         except OSError:
             continue
         cut = data.rfind(b"\n") + 1
+        rest = data[:cut].split(b"\n", limit - len(out))[-1]  # past the lines still wanted: not decoded
+        cut -= len(rest)
         try:  # whole lines at once when all of them decode (the usual case: one C call); else line by line
             out.extend(decoder.decode_lines(data[:cut]))
-            lines = data[cut:].split(b"\n")
         except DECODE_ERRORS:
             lines = data.split(b"\n")
-        if len(out) >= limit:
-            return out[:limit]
+        else:
+            if len(out) >= limit:
+                return out[:limit]
+            lines = [data[cut:]]  # the segment's last line, cut short
         for line in lines:
             try:
                 out.append(decoder.decode(line))
