@@ -433,9 +433,9 @@ def test_a_window_planned_and_read_by_a_pool_exports_the_same_bytes(comm_run: Pa
     pools: list[int] = []
 
     class Counted(exp.ProcessPoolExecutor):  # type: ignore[misc]
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            pools.append(1)
-            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        def __init__(self, workers: int, **kwargs: object) -> None:
+            pools.append(workers)
+            super().__init__(workers, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(exp, "ProcessPoolExecutor", Counted)
     for run, want in zip((comm_run, torn), serial):
@@ -443,4 +443,41 @@ def test_a_window_planned_and_read_by_a_pool_exports_the_same_bytes(comm_run: Pa
         got = exp.export(run, fmt, tmp_path / f"pooled-{run.name}", steps=(28, 33), workers=2, cache=False,
                          reader=Reader(warn=warnings.append, progress=read.append))
         assert (got.output.read_bytes(), (got.slices, got.instants, got.counters, got.processes, got.flows), got.malformed_lines, sum(read), warnings) == want
-    assert len(pools) == 2 and serial[1][2] == 4 and len(serial[1][4]) == 4 and serial[0][3] > 0  # a torn line a rank
+    # the window's pools (a forked copy that renders half the processes, one worker, comes on top when
+    # this process may fork: the next test)
+    assert pools.count(2) == 2 and serial[1][2] == 4 and len(serial[1][4]) == 4 and serial[0][3] > 0  # a torn line a rank
+
+
+@pytest.mark.parametrize("fmt", ["chrome", "perfetto"])
+def test_a_window_of_many_processes_rendered_in_two_halves_is_the_same_file(comm_run: Path, tmp_path: Path, fmt: str,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window of many processes read already (export.WINDOW_POOL_MIN) is rendered half here and half by
+    a forked copy, appended in order: the file and counts of one process rendering them all, also when
+    the copy fails (its half is rendered here). The copy is counted, so the test fails without one."""
+    import multiprocessing
+
+    import otel_train.analysis.export as exp
+
+    def export(name: str, workers: int) -> tuple:
+        got = exp.export(comm_run, fmt, tmp_path / name, steps=(28, 33), workers=workers, cache=False)
+        return got.output.read_bytes(), (got.slices, got.instants, got.counters, got.processes, got.flows)
+
+    alone = export("alone", 1)
+    monkeypatch.setattr(exp, "WINDOW_POOL_MIN", 2)
+    # Forked whatever threads an earlier test left behind (the library itself forks only with one thread).
+    monkeypatch.setattr(exp, "pool_context", lambda: multiprocessing.get_context("fork"))
+    copies: list[int] = []
+
+    class Counted(exp.ProcessPoolExecutor):  # type: ignore[misc]
+        def __init__(self, workers: int, **kwargs: object) -> None:
+            copies.extend([1] if workers == 1 else [])
+            super().__init__(workers, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exp, "ProcessPoolExecutor", Counted)
+    assert export("halves", 2) == alone and len(copies) == 1
+
+    def broken() -> None:
+        raise MemoryError("the copy was killed")
+
+    monkeypatch.setattr(exp, "_render_inherited", broken)
+    assert export("fallback", 2) == alone and len(copies) == 2

@@ -8,13 +8,15 @@ the run's SDK spans. Every format is written next to the output and renamed into
 A step window (``steps``) costs its size (docs/analysis.md, "Reading"): every process is read by
 bisection (:mod:`otel_train.analysis.reading.window`), the comm plan (flows, culprits) and the clock
 estimate are made from the window's records, and it is rendered in this process unless the window is
-big (a window of many processes is planned and read by a pool first: :data:`WINDOW_POOL_MIN`). A whole-run export uses the read cache (``cache``): the comm plan takes each process's comm ops
-from its cached state when it is there (else a byte search of its files), and each process the export
-reads whole is kept in the cache for the commands that follow.
+big (a window of many processes is planned and read by a pool first, and rendered half here, half by a
+forked copy: :data:`WINDOW_POOL_MIN`). A whole-run export uses the read cache (``cache``): the comm
+plan takes each process's comm ops from its cached state when it is there (else a byte search of its
+files), and each process the export reads whole is kept in the cache for the commands that follow.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import shutil
@@ -353,24 +355,18 @@ def _write_rendered(
     cache: bool = True,
     plans: Plans | None = None,
 ) -> Counts:
-    """The whole run, process ``i`` of the run's order with pid ``i + 1``: rendered here, or for a large
-    run (a large window) by a pool of workers into part files appended here in order."""
+    """The whole run, process ``i`` of the run's order with pid ``i + 1``: rendered here (a window of many
+    processes read already: in two halves, :func:`_render_halves`), or for a large run (a large window) by
+    a pool of workers into part files appended here in order."""
     plans = plans if plans is not None else Plans(steps)
     sizes = [plans.size(pf) for pf, _, _ in order]
     workers = min(workers or os.cpu_count() or 1, len(order))
     f.write(renderer.HEAD)
     totals = Counts(0, 0, 0, 0)
-    if workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES or plans.read:  # read already: rendered here
-        batch = renderer.Batch(origin_us, f) if hasattr(renderer, "Batch") else None  # small processes together
-        for index, (pf, attempt, meta) in enumerate(order):
-            lay = _layout(pf, attempt, index, reader, steps, meta, plan.of(pf.source, pf.rank, attempt), plan.clock,
-                          cache, plans.of(pf), plans.read.pop(pf, None))
-            if lay is not None:
-                if totals.processes:
-                    f.write(renderer.SEPARATOR)
-                totals = _add(totals, batch.add(lay) if batch is not None else renderer.render(lay, origin_us, f))
-        if batch is not None:
-            batch.flush()
+    if plans.read and workers >= 2 and len(order) >= WINDOW_POOL_MIN:  # read already, many: two halves
+        totals = _render_halves(_Slice(renderer, order, plan, origin_us, reader, steps, cache, plans), f)
+    elif workers < 2 or sum(sizes) < PARALLEL_MIN_BYTES or plans.read:  # read already: rendered here
+        totals = _Slice(renderer, order, plan, origin_us, reader, steps, cache, plans).render(0, len(order), f)
     else:
         for counts, part in _pooled(order, sizes, fmt, plan, f, origin_us, reader, steps, workers, cache, plans):
             if totals.processes:
@@ -385,6 +381,82 @@ def _write_rendered(
 
 def _add(a: Counts, b: Counts) -> Counts:
     return Counts(*(x + y for x, y in zip(a, b)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Slice:
+    """What rendering processes of ``order`` here needs (see :func:`_write_rendered`)."""
+
+    renderer: ModuleType
+    order: list[tuple[ProcessFiles, int, Head | None]]
+    plan: CommPlan
+    origin_us: int
+    reader: Reader
+    steps: tuple[int, int] | None
+    cache: bool
+    plans: Plans
+
+    def render(self, lo: int, hi: int, f: IO[bytes]) -> Counts:
+        """Processes ``order[lo:hi]`` (pids ``lo + 1`` …) laid out and rendered into ``f``, ``SEPARATOR``
+        between them, none before the first; their counts."""
+        renderer, plans, totals = self.renderer, self.plans, Counts(0, 0, 0, 0)
+        batch = renderer.Batch(self.origin_us, f) if hasattr(renderer, "Batch") else None  # small processes together
+        for index in range(lo, hi):
+            pf, attempt, meta = self.order[index]
+            lay = _layout(pf, attempt, index, self.reader, self.steps, meta, self.plan.of(pf.source, pf.rank, attempt),
+                          self.plan.clock, self.cache, plans.of(pf), plans.read.pop(pf, None))
+            if lay is not None:
+                if totals.processes:
+                    f.write(renderer.SEPARATOR)
+                totals = _add(totals, batch.add(lay) if batch is not None else renderer.render(lay, self.origin_us, f))
+        if batch is not None:
+            batch.flush()
+        return totals
+
+
+_HALF: tuple[_Slice, int] | None = None
+"""What the forked copy of :func:`_render_halves` renders: set just before the fork, read there (the
+read states are never pickled)."""
+
+
+def _render_halves(work: _Slice, f: IO[bytes]) -> Counts:
+    """:meth:`_Slice.render` of every process, the second half by a forked copy of this process while
+    this one renders the first (a window of 1,024 ranks: 0.7 s of layout and encoding on one core,
+    after the pool's reads), appended here in order: the bytes of one process rendering them all. Without
+    fork (threads running) or when the copy fails, the second half is rendered here."""
+    global _HALF
+    half = len(work.order) // 2
+    context = pool_context()
+    theirs: tuple[Counts, bytes] | None = None
+    if context.get_start_method() == "fork":
+        _HALF = (work, half)
+        try:
+            with ProcessPoolExecutor(1, mp_context=context) as pool:
+                other = pool.submit(_render_inherited)
+                mine = work.render(0, half, f)
+                try:
+                    theirs = other.result()
+                except Exception:  # noqa: BLE001 - a copy killed (memory) or broken: its half is done here
+                    theirs = None
+        finally:
+            _HALF = None
+    else:
+        mine = work.render(0, half, f)
+    if theirs is None:
+        buffer = io.BytesIO()
+        theirs = (work.render(half, len(work.order), buffer), buffer.getvalue())
+    if mine.processes and theirs[0].processes:
+        f.write(work.renderer.SEPARATOR)
+    f.write(theirs[1])
+    return _add(mine, theirs[0])
+
+
+def _render_inherited() -> tuple[Counts, bytes]:
+    """In the forked copy: the second half of what :data:`_HALF` held at the fork, and its bytes."""
+    assert _HALF is not None
+    work, half = _HALF
+    buffer = io.BytesIO()
+    return work.render(half, len(work.order), buffer), buffer.getvalue()
 
 
 def _layout(pf: ProcessFiles, attempt: int, index: int, reader: Reader, steps: tuple[int, int] | None,
