@@ -425,9 +425,9 @@ def test_a_blocked_write_never_blocks_the_caller_and_close_gives_up(
     assert "has stalled" in err and "at close are not written" in err, err
 
 
-def test_a_stall_that_ends_is_announced_after_the_next_record(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def fifo_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[QueuedWriter, int, list[dict]]:
+    """A queued writer into a FIFO nobody reads yet (a small queue, 64 KiB; a sync point every 32 KiB), the
+    FIFO's non-blocking read end, and the list its ``on_notice`` attrs are collected in."""
     from otel_train.exporters.jsonl import writer as writer_module
 
     monkeypatch.setattr(writer_module, "QUEUE_MAX_BYTES", 64 << 10)
@@ -435,8 +435,13 @@ def test_a_stall_that_ends_is_announced_after_the_next_record(
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    w = QueuedWriter(RotatingFileWriter(fifo, max_bytes=1 << 30, backup_count=0))
-    notices: list[dict] = []
+    return QueuedWriter(RotatingFileWriter(fifo, max_bytes=1 << 30, backup_count=0)), reader, []
+
+
+def test_a_stall_that_ends_is_announced_after_the_next_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    w, reader, notices = fifo_writer(tmp_path, monkeypatch)
     w.on_notice = lambda attrs: (notices.append(dict(attrs)), w.write(b'{"seq": -1}\n'))
     results = [w.write(record(i, pad=200)) for i in range(2000)]  # 64 KiB in the FIFO, 64 KiB queued
     dropped = results.count(False)
@@ -473,15 +478,7 @@ def test_a_stall_ends_behind_a_producer_faster_than_the_storage(
     a busy test process, CI stop 30): the queue would stay full and the stall open for ever. From the
     report on the queue's end advances at half the writer's pace, so the writer catches up and the stall
     is announced; every record dropped meanwhile is counted in the notice."""
-    from otel_train.exporters.jsonl import writer as writer_module
-
-    monkeypatch.setattr(writer_module, "QUEUE_MAX_BYTES", 64 << 10)
-    monkeypatch.setattr(writer_module, "SYNC_BYTES", 32 << 10)
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    w = QueuedWriter(RotatingFileWriter(fifo, max_bytes=1 << 30, backup_count=0))
-    notices: list[dict] = []
+    w, reader, notices = fifo_writer(tmp_path, monkeypatch)
     w.on_notice = lambda attrs: notices.append(dict(attrs))
     stream = bytearray()
     stop = threading.Event()
