@@ -326,7 +326,7 @@ def test_a_split_simulation_gives_the_same_answer(tmp_path: Path, monkeypatch: p
     the answer of one process, to the last bit; the fork is counted, so the test fails without one."""
     import concurrent.futures
 
-    from otel_train.analysis import graph
+    from otel_train.analysis import graph, pools
 
     write_job(tmp_path / "run", dp=2, pp=4, tp=1, steps=STEPS, microbatches=8, schedule="1f1b", cause="worker",
               seed=5)
@@ -339,10 +339,10 @@ def test_a_split_simulation_gives_the_same_answer(tmp_path: Path, monkeypatch: p
             forks.append(1)
             super().__init__(*args, **kwargs)
 
-    # graph imports the pool where it starts one (a small read never pays for the import): patched at its source.
+    # pools imports the pool where it forks the copy (a small read never pays for the import): patched at its source.
     monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Counted)
     # Forked whatever threads an earlier test left behind (the library itself forks only with one thread).
-    monkeypatch.setattr(graph, "pool_context", lambda: multiprocessing.get_context("fork"))
+    monkeypatch.setattr(pools, "pool_context", lambda: multiprocessing.get_context("fork"))
     split = typical(tmp_path / "run")
     assert json.dumps(split, sort_keys=True) == json.dumps(alone, sort_keys=True)
     assert len(forks) == 1  # the answer's scenarios; the worker-share pass is one scenario: never split

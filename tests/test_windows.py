@@ -454,9 +454,12 @@ def test_a_window_of_many_processes_rendered_in_two_halves_is_the_same_file(comm
     """A window of many processes read already (export.WINDOW_POOL_MIN) is rendered half here and half by
     a forked copy, appended in order: the file and counts of one process rendering them all, also when
     the copy fails (its half is rendered here). The copy is counted, so the test fails without one."""
+    import concurrent.futures
     import multiprocessing
+    import os
 
     import otel_train.analysis.export as exp
+    from otel_train.analysis import pools
 
     def export(name: str, workers: int) -> tuple:
         got = exp.export(comm_run, fmt, tmp_path / name, steps=(28, 33), workers=workers, cache=False)
@@ -465,19 +468,24 @@ def test_a_window_of_many_processes_rendered_in_two_halves_is_the_same_file(comm
     alone = export("alone", 1)
     monkeypatch.setattr(exp, "WINDOW_POOL_MIN", 2)
     # Forked whatever threads an earlier test left behind (the library itself forks only with one thread).
-    monkeypatch.setattr(exp, "pool_context", lambda: multiprocessing.get_context("fork"))
+    monkeypatch.setattr(pools, "pool_context", lambda: multiprocessing.get_context("fork"))
     copies: list[int] = []
 
-    class Counted(exp.ProcessPoolExecutor):  # type: ignore[misc]
+    class Counted(concurrent.futures.ProcessPoolExecutor):
         def __init__(self, workers: int, **kwargs: object) -> None:
-            copies.extend([1] if workers == 1 else [])
+            copies.append(workers)
             super().__init__(workers, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(exp, "ProcessPoolExecutor", Counted)
-    assert export("halves", 2) == alone and len(copies) == 1
+    # pools imports the pool where it forks the copy (the window's read pool is export's own): patched at its source.
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Counted)
+    assert export("halves", 2) == alone and copies == [1]
 
-    def broken() -> None:
-        raise MemoryError("the copy was killed")
+    here, into_bytes = os.getpid(), exp._into_bytes
 
-    monkeypatch.setattr(exp, "_render_inherited", broken)
-    assert export("fallback", 2) == alone and len(copies) == 2
+    def broken(*args: object) -> object:
+        if os.getpid() != here:
+            raise MemoryError("the copy was killed")
+        return into_bytes(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exp, "_into_bytes", broken)
+    assert export("fallback", 2) == alone and copies == [1, 1]

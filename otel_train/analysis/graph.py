@@ -38,7 +38,6 @@ owner measured the simulation reproduces the measured times exactly (each edge i
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +46,8 @@ import numpy as np
 
 from otel_train import schema
 from otel_train.analysis.clock import Clock
-from otel_train.analysis.spans import NO_STEP, ProcessState, pool_context
+from otel_train.analysis.pools import beside_a_copy, can_fork
+from otel_train.analysis.spans import NO_STEP, ProcessState
 from otel_train.analysis.stats import columns
 
 UNTRACED = "(untraced)"
@@ -1018,48 +1018,24 @@ def simulate(g: Graph, masks: np.ndarray) -> np.ndarray:
 SPLIT_MIN = 20_000_000
 """Scenario x node visits from which :func:`simulate_split` shares the scenarios with a forked copy of
 this process (the 64-rank x 1,000-step run: 94 scenarios x 1.82 M nodes, 171 M)."""
-_INHERITED: tuple[Graph, np.ndarray] | None = None
-"""What the forked copy simulates: set just before the fork, read there (never pickled: the graph of a
-large run is hundreds of MB)."""
 
 
 def simulate_split(g: Graph, masks: np.ndarray) -> np.ndarray:
     """:func:`simulate`, with the second half of the scenarios simulated by a forked copy of this
-    process while this one does the first, when the work reaches :data:`SPLIT_MIN`, there is a second
-    CPU and forking is safe (one thread: :func:`~otel_train.analysis.spans.pool_context`). Every
-    scenario is simulated alone, column by column, so the values are the same either way. The plans
-    and weight terms are made first, here, for both. A copy that fails is redone here."""
-    global _INHERITED
+    process while this one does the first (:func:`~otel_train.analysis.pools.beside_a_copy`: the graph
+    of a large run, hundreds of MB, is inherited, never pickled), when the work reaches
+    :data:`SPLIT_MIN` and a copy can be forked. Every scenario is simulated alone, column by column, so
+    the values are the same either way. The plans and weight terms are made first, here, for both. A
+    copy that fails is redone here."""
     S = masks.shape[0]
-    if S < 2 or S * int(g.nodes[-1]) < SPLIT_MIN or (os.cpu_count() or 1) < 2:
-        return simulate(g, masks)
-    context = pool_context()
-    if context.get_start_method() != "fork":
+    if S < 2 or S * int(g.nodes[-1]) < SPLIT_MIN or not can_fork():
         return simulate(g, masks)
     for b in range(g.steps.size):
         plan(g, b)
     _weight_terms(g)
     half = S // 2
-    _INHERITED = (g, masks[half:])
-    from concurrent.futures import ProcessPoolExecutor  # here: only a large simulation starts a pool
-
-    try:
-        with ProcessPoolExecutor(1, mp_context=context) as pool:
-            other = pool.submit(_simulate_inherited)
-            mine = simulate(g, masks[:half])
-            try:
-                theirs = other.result()
-            except Exception:  # noqa: BLE001 - a copy killed (memory) or broken: its half is done here
-                theirs = simulate(g, masks[half:])
-    finally:
-        _INHERITED = None
-    return np.concatenate([mine, theirs])
-
-
-def _simulate_inherited() -> np.ndarray:
-    """In the forked copy: :func:`simulate` of what :data:`_INHERITED` held at the fork."""
-    assert _INHERITED is not None
-    return simulate(*_INHERITED)
+    mine, theirs = beside_a_copy(lambda: simulate(g, masks[:half]), lambda: simulate(g, masks[half:]))
+    return np.concatenate([mine, theirs if theirs is not None else simulate(g, masks[half:])])
 
 
 def step_times(T: np.ndarray) -> np.ndarray:

@@ -33,19 +33,19 @@ import contextvars
 import gc
 import os
 import re
-import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from otel_train import schema
 from otel_train.analysis.comm import SOURCE_TRACE, CommGraph, CommOp, Group, build_graphs
+from otel_train.analysis.pools import pool_context
 from otel_train.analysis.records import (
     AnyRecord,
     Head,
@@ -65,9 +65,6 @@ from otel_train.analysis.records import (
 from otel_train.analysis.reading import window
 from otel_train.analysis.reading.cache import Cache, identify
 from otel_train.phases import STEP, STEP_PHASES
-
-if TYPE_CHECKING:  # the pool's modules are imported when a run is big enough for a pool
-    import multiprocessing.context
 
 STATUS_OPEN = "open"
 """A span with a start record and no end record (the process died inside it, or is still inside)."""
@@ -1035,13 +1032,3 @@ def clock_domains(states: list[ProcessState]) -> None:
                 anchors.append(d.clock_anchor)  # type: ignore[arg-type]
             if k:
                 d.host = f"{host}#{k}"
-
-
-def pool_context() -> multiprocessing.context.BaseContext:
-    """The multiprocessing context for analysis pools."""
-    import multiprocessing
-
-    # fork is cheapest, but forking a process that runs other threads can deadlock them.
-    if threading.active_count() == 1 and "fork" in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("fork")
-    return multiprocessing.get_context("forkserver" if os.name == "posix" else "spawn")

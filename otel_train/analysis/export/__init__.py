@@ -38,8 +38,9 @@ from otel_train.analysis.reading import window
 from otel_train.analysis.reading.cache import Cache, identify, made, uses
 from otel_train.analysis.records import Head, ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
 from otel_train.analysis.summary import default_fr
-from otel_train.analysis.spans import (PARALLEL_MIN_BYTES, ProcessState, Run, iter_processes, load_run, pool_context,
-                                       process_order, read_process)
+from otel_train.analysis.pools import beside_a_copy, pool_context
+from otel_train.analysis.spans import (PARALLEL_MIN_BYTES, ProcessState, Run, iter_processes, load_run, process_order,
+                                       read_process)
 
 FORMATS = ("chrome", "perfetto", "otlp-json")
 ANALYSIS_DIR = "analysis"
@@ -414,49 +415,26 @@ class _Slice:
         return totals
 
 
-_HALF: tuple[_Slice, int] | None = None
-"""What the forked copy of :func:`_render_halves` renders: set just before the fork, read there (the
-read states are never pickled)."""
-
-
 def _render_halves(work: _Slice, f: IO[bytes]) -> Counts:
     """:meth:`_Slice.render` of every process, the second half by a forked copy of this process while
     this one renders the first (a window of 1,024 ranks: 0.7 s of layout and encoding on one core,
-    after the pool's reads), appended here in order: the bytes of one process rendering them all. Without
-    fork (threads running) or when the copy fails, the second half is rendered here."""
-    global _HALF
+    after the pool's reads; :func:`~otel_train.analysis.pools.beside_a_copy`: the read states are
+    inherited, never pickled), appended here in order: the bytes of one process rendering them all.
+    Without fork (threads running) or when the copy fails, the second half is rendered here."""
     half = len(work.order) // 2
-    context = pool_context()
-    theirs: tuple[Counts, bytes] | None = None
-    if context.get_start_method() == "fork":
-        _HALF = (work, half)
-        try:
-            with ProcessPoolExecutor(1, mp_context=context) as pool:
-                other = pool.submit(_render_inherited)
-                mine = work.render(0, half, f)
-                try:
-                    theirs = other.result()
-                except Exception:  # noqa: BLE001 - a copy killed (memory) or broken: its half is done here
-                    theirs = None
-        finally:
-            _HALF = None
-    else:
-        mine = work.render(0, half, f)
+    mine, theirs = beside_a_copy(lambda: work.render(0, half, f), lambda: _into_bytes(work, half, len(work.order)))
     if theirs is None:
-        buffer = io.BytesIO()
-        theirs = (work.render(half, len(work.order), buffer), buffer.getvalue())
+        theirs = _into_bytes(work, half, len(work.order))
     if mine.processes and theirs[0].processes:
         f.write(work.renderer.SEPARATOR)
     f.write(theirs[1])
     return _add(mine, theirs[0])
 
 
-def _render_inherited() -> tuple[Counts, bytes]:
-    """In the forked copy: the second half of what :data:`_HALF` held at the fork, and its bytes."""
-    assert _HALF is not None
-    work, half = _HALF
+def _into_bytes(work: _Slice, lo: int, hi: int) -> tuple[Counts, bytes]:
+    """:meth:`_Slice.render` of processes ``order[lo:hi]`` into bytes: their counts and the bytes."""
     buffer = io.BytesIO()
-    return work.render(half, len(work.order), buffer), buffer.getvalue()
+    return work.render(lo, hi, buffer), buffer.getvalue()
 
 
 def _layout(pf: ProcessFiles, attempt: int, index: int, reader: Reader, steps: tuple[int, int] | None,
