@@ -351,6 +351,14 @@ def test_cli_json_text_method_and_window(tmp_path: Path) -> None:
     text = CliRunner().invoke(app, ["whatif", str(run)])
     assert text.exit_code == 0, text.output
     assert "typical" in text.stdout and "last stage" in text.stdout and "pp" in text.stdout
+    lines = [line.strip("│ ") for line in text.stdout.splitlines()]
+    # A table's title is a line of its own, never folded to a narrow table's width.
+    assert {"By mesh index: only its ranks as measured, all else typical",
+            "Top phases: only that phase as measured, all else typical"} <= set(lines), text.stdout
+    # A p2p op is a comm op, not a collective; the data-parallel all-reduce is one.
+    rows = {line.split(" ")[0]: line for line in lines if line.startswith("comm.")}
+    assert {"comm.send", "comm.recv", "comm.all_reduce"} <= set(rows), text.stdout
+    assert "(collective)" in rows["comm.all_reduce"] and not any("(collective)" in rows[p] for p in ("comm.send", "comm.recv"))
     bad = CliRunner().invoke(app, ["whatif", str(run), "--method", "median"])
     assert bad.exit_code == 2 and len(bad.stderr.strip().splitlines()) == 1 and "peers" in bad.stderr
     window = whatif(load_run(run), window=(3, 8))

@@ -157,6 +157,13 @@ def _render(result: dict[str, Any], out: Console) -> None:
               "phase that caused it")
 
 
+def _p2p(phase: str) -> bool:
+    """A point-to-point op's span (``comm.send``, ``comm.recv``): a comm op, not a collective."""
+    from otel_train import schema
+
+    return schema.comm_op_of(phase) in schema.P2P_OPS
+
+
 def _times(x: Any) -> str:
     return "n/a" if x is None else f"{x:.3f}x"
 
@@ -177,21 +184,25 @@ def _render_typical(result: dict[str, Any], out: Console) -> None:
               f"mean step {fmt_ms(ms['actual'])} ms (measured {fmt_ms(ms['measured'])} ms), ideal "
               f"{fmt_ms(ms['ideal'])} ms: slowdown S = {_times(result['slowdown'])}")
     workers = ", ".join(str(r) for r in result.get("workers", []))
+    many = len(result.get("workers", [])) > 1
     out.print(f"Share of the slowdown explained by the last stage: {_share(shares['last_stage'])}; by the slowest "
-              f"3 % of workers (rank {workers or 'n/a'}): {_share(shares['worker'])}")
-    table = Table(title="By mesh index: only its ranks as measured, all else typical", title_justify="left")
+              f"worker{'s' if many else ''} (rank{'s' if many else ''} {workers or 'n/a'}: the slowest 3 %, at least "
+              f"one): {_share(shares['worker'])}")
+    table = Table()  # titles printed as lines of their own: a narrow table would fold them
     for col in ("dim", "index", "slowdown", "ms/step over ideal"):
         table.add_column(col, justify="left" if col == "dim" else "right")
     for dim, rows in result["by_dim"].items():
         for r in sorted(rows, key=lambda r: -r["slowdown"])[:SHOWN]:
             table.add_row(str(dim), str(r["index"]), _times(r["slowdown"]), fmt_ms(r["cost_ms"]))
     if result["by_dim"]:
+        out.print("By mesh index: only its ranks as measured, all else typical")
         out.print(table)
     for key, label in (("by_rank", "rank"), ("by_phase", "phase")):
-        table = Table(title=f"Top {label}s: only that {label} as measured, all else typical", title_justify="left")
+        table = Table()
         for col in (label, "slowdown", "ms/step over ideal"):
             table.add_column(col, justify="left" if col == label else "right")
         for r in result[key][:SHOWN]:
-            name = str(r[label]) + (" (collective)" if r.get("collective") else "")
+            name = str(r[label]) + (" (collective)" if r.get("collective") and not _p2p(str(r[label])) else "")
             table.add_row(name, _times(r["slowdown"]), fmt_ms(r["cost_ms"]))
+        out.print(f"Top {label}s: only that {label} as measured, all else typical")
         out.print(table)
