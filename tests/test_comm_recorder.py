@@ -361,6 +361,50 @@ def test_collectives_off_patches_nothing(tmp_path: Path) -> None:
     assert comm["recording"] is False and comm["flight_recorder"] is True  # torch's own recorder still on
 
 
+def test_a_destroyed_group_is_freed_as_without_us_even_when_a_wrapper_outlives_the_session(tmp_path: Path) -> None:
+    """``destroy_process_group`` frees a group when it would without otel-train (its gloo threads and
+    sockets; on NCCL its communicators): the recorder's group table used to keep every group alive until
+    ``shutdown``, and for ever when a module held one of our wrappers (taken from ``torch.distributed``
+    while ours). After ``shutdown`` such a wrapper is the original alone."""
+    done = run_scenario(tmp_path, """
+    import gc, weakref
+    ot.init(save_path=save, enabled=True)
+    group()
+    sub = dist.new_group([0])
+    held = dist.broadcast  # taken while ours, as a module imported after init takes it
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=sub)
+    held(t, 0)
+    world, sub_ref = weakref.ref(dist.group.WORLD), weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    freed = {"sub": sub_ref() is None, "world_kept": world() is not None}
+    dist.all_reduce(t)  # the groups left are still recorded, their sequence going on
+    dist.destroy_process_group()
+    gc.collect()
+    freed["world"] = world() is None
+    ot.shutdown()
+    # A second session whose groups are destroyed after its shutdown: its table let go of them.
+    ot.init(save_path=os.path.join(save, "second"), enabled=True)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(save, "store2"), 1), rank=0, world_size=1)
+    again = weakref.ref(dist.group.WORLD)
+    held = dist.broadcast  # this session's wrapper, taken again
+    dist.all_reduce(t)
+    ot.shutdown()
+    held(t, 0)  # the original alone now: no note, no reference to the group
+    dist.destroy_process_group()
+    gc.collect()
+    freed["after_shutdown"] = again() is None
+    print(json.dumps(freed))
+    """)
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"sub": True, "world_kept": True, "world": True,
+                                                                "after_shutdown": True}
+    ops = [(s["name"], s["attrs"][S.ATTR_COMM_SEQ]) for s, _ in comm_spans(records(tmp_path))]
+    assert ops == [("comm.all_reduce", 1), ("comm.all_reduce", 1), ("comm.broadcast", 2), ("comm.all_reduce", 3)]
+
+
 def test_torch_distributed_imported_after_init_is_patched_on_import(tmp_path: Path) -> None:
     script = tmp_path / "late.py"
     script.write_text(textwrap.dedent("""

@@ -97,6 +97,14 @@ class GroupTable:
     def states(self) -> list[GroupState]:
         return list(self._by_pg.values())
 
+    def forget(self, pg: Any = None) -> None:
+        """Drop ``pg`` (None: every group), which ``destroy_process_group`` destroyed: the table must not
+        keep a destroyed group (its threads, sockets, communicators) alive for the rest of the process."""
+        if pg is None:
+            self._by_pg.clear()
+        else:
+            self._by_pg.pop(pg, None)
+
     def by_name(self, name: str) -> GroupState | None:
         for state in list(self._by_pg.values()):
             if state.name == name:

@@ -22,6 +22,8 @@ from otel_train.comm.groups import GroupTable
 from otel_train.comm.notes import Note, NoteQueue
 
 ORIGINAL_ATTR = "__otel_train_original__"
+_KEEP = object()
+"""What a ``destroy_process_group`` that we could not read destroyed, for the group table: nothing known."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,10 @@ class NoteMaker:
         self._futures = True  # cleared per op kind when a backend's Work has no future (gloo p2p)
         self._no_future: set[str] = set()
         self.active = True
+
+    def forget(self, pg: Any) -> None:
+        """A destroyed group (None: every group) leaves the table (:meth:`GroupTable.forget`)."""
+        self._groups.forget(pg)
 
     def begin(self, spec: Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Note | None:
         if api._tracing is None or not self.active:
@@ -256,13 +262,12 @@ def _wrap_batch(original: Callable[..., Any], maker: NoteMaker, isend: Any, irec
     return batch_isend_irecv
 
 
-def _wrap_destroy(original: Callable[..., Any], flush: Callable[[], None]) -> Callable[..., Any]:
+def _wrap_destroy(original: Callable[..., Any], patches: Patches) -> Callable[..., Any]:
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
-        try:
-            flush()
-        except Exception as exc:  # noqa: BLE001
-            _report.report_exception("recording the ops before destroy_process_group", exc)
-        return original(*args, **kwargs)
+        gone = patches.destroying(args[0] if args else kwargs.get("group"))
+        result = original(*args, **kwargs)
+        patches.destroyed(gone)
+        return result
 
     functools.update_wrapper(destroy_process_group, original)
     setattr(destroy_process_group, ORIGINAL_ATTR, original)
@@ -315,7 +320,15 @@ class WaitPatch:
 
 
 class Patches:
-    """The installed wrappers; ``remove()`` restores every original that a wrapper of ours still replaces."""
+    """The installed wrappers; ``remove()`` restores every original that a wrapper of ours still replaces.
+
+    A wrapper may outlive ``remove()``: a module that took ``torch.distributed.broadcast`` while it was
+    ours, a ``P2POp`` that holds our ``isend``. It then calls the original and nothing else, and it holds
+    nothing of the session: ``remove()`` drops the recorder's flush, and the session empties the group
+    table once the recorder has stopped (process groups, kept alive by it, would otherwise live until the
+    interpreter exits). The table also forgets each group ``destroy_process_group`` destroys, as it
+    destroys it.
+    """
 
     def __init__(self, maker: NoteMaker, before_destroy: Callable[[], None] | None = None) -> None:
         self.maker = maker
@@ -337,8 +350,8 @@ class Patches:
         if batch is not None and not hasattr(batch, ORIGINAL_ATTR) and "isend" in wrappers:
             wrappers["batch_isend_irecv"] = _wrap_batch(batch, self.maker, wrappers["isend"], wrappers["irecv"])
         destroy = getattr(c10d, "destroy_process_group", None)
-        if destroy is not None and not hasattr(destroy, ORIGINAL_ATTR) and self.before_destroy is not None:
-            wrappers["destroy_process_group"] = _wrap_destroy(destroy, self.before_destroy)
+        if destroy is not None and not hasattr(destroy, ORIGINAL_ATTR):
+            wrappers["destroy_process_group"] = _wrap_destroy(destroy, self)
         for name, wrapper in wrappers.items():
             original = getattr(wrapper, ORIGINAL_ATTR)
             for module in (c10d, dist):
@@ -351,8 +364,28 @@ class Patches:
             _report.report_exception("wrapping Work.wait (send/recv end at the recorder's next look)", exc)
         return sorted(wrappers)
 
+    def destroying(self, group: Any) -> Any:
+        """Before ``destroy_process_group(group)``: the recorder writes what it holds (the groups' buffer
+        goes with them). Returns what it destroys: ``group``, or None for every group (None, WORLD)."""
+        gone: Any = _KEEP
+        try:
+            from torch.distributed import distributed_c10d as c10d
+
+            gone = None if group is None or group is c10d.GroupMember.WORLD else group
+            if self.before_destroy is not None:
+                self.before_destroy()
+        except Exception as exc:  # noqa: BLE001
+            _report.report_exception("recording the ops before destroy_process_group", exc)
+        return gone
+
+    def destroyed(self, gone: Any) -> None:
+        """After ``destroy_process_group`` returned: the table forgets what it destroyed."""
+        if gone is not _KEEP:
+            self.maker.forget(gone)
+
     def remove(self) -> None:
         self.maker.active = False
+        self.before_destroy = None
         self._wait.remove()
         for module, name, original, wrapper in reversed(self._installed):
             if getattr(module, name, None) is wrapper:

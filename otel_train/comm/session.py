@@ -80,6 +80,12 @@ class CommSession:
             if self.recorder.on_step in step_context.step_listeners:
                 step_context.step_listeners.remove(self.recorder.on_step)
             _quietly(self.recorder.stop)
+        # Ops still running were written as open spans: their notes (and Works) go now, and the groups: a
+        # wrapper that outlives the session (a module took it) must not keep them alive (comm/patch.py).
+        from otel_train.comm.patch import PENDING
+
+        PENDING.clear()
+        self.groups.forget(None)
 
     def on_stall(self, name: str) -> None:
         """The watchdog wrote a stall for span ``name``: a Flight Recorder dump when it is a comm op."""
