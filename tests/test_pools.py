@@ -29,21 +29,26 @@ def test_the_copy_answers_from_what_it_inherited(forking: None) -> None:
     assert pools._INHERITED is None  # nothing held after the job
 
 
-def test_a_copy_that_fails_leaves_its_job_to_the_caller(forking: None) -> None:
-    def killed() -> int:
-        raise MemoryError("the copy was killed")
+def test_a_copy_that_fails_has_its_job_done_here(forking: None) -> None:
+    here = os.getpid()
 
-    assert pools.beside_a_copy(lambda: 1, killed) == (1, None)
+    def killed_in_the_copy() -> int:
+        if os.getpid() != here:
+            raise MemoryError("the copy was killed")
+        return os.getpid()
+
+    assert pools.beside_a_copy(lambda: 1, killed_in_the_copy) == (1, here)
     assert pools._INHERITED is None
 
 
 def test_without_fork_nothing_is_forked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process that runs other threads never forks (they could deadlock the copy): ``theirs`` is not
-    run, and the caller does it here."""
+    """A process that runs other threads never forks (they could deadlock the copy): both jobs run here,
+    ``theirs`` after ``mine``."""
     monkeypatch.setattr(pools, "pool_context", lambda: multiprocessing.get_context("forkserver"))
-    ran: list[str] = []
-    assert pools.beside_a_copy(lambda: ran.append("mine") or 1, lambda: ran.append("theirs") or 2) == (1, None)
-    assert ran == ["mine"] and not pools.can_fork()
+    ran: list[tuple[str, int]] = []
+    assert pools.beside_a_copy(lambda: ran.append(("mine", os.getpid())) or 1,
+                               lambda: ran.append(("theirs", os.getpid())) or 2) == (1, 2)
+    assert ran == [("mine", os.getpid()), ("theirs", os.getpid())] and not pools.can_fork()
 
 
 def test_an_error_of_my_half_is_raised_here(forking: None) -> None:

@@ -1026,7 +1026,7 @@ def simulate_split(g: Graph, masks: np.ndarray) -> np.ndarray:
     of a large run, hundreds of MB, is inherited, never pickled), when the work reaches
     :data:`SPLIT_MIN` and a copy can be forked. Every scenario is simulated alone, column by column, so
     the values are the same either way. The plans and weight terms are made first, here, for both. A
-    copy that fails is redone here."""
+    copy that fails has its half redone here (by ``beside_a_copy``)."""
     S = masks.shape[0]
     if S < 2 or S * int(g.nodes[-1]) < SPLIT_MIN or not can_fork():
         return simulate(g, masks)
@@ -1034,8 +1034,7 @@ def simulate_split(g: Graph, masks: np.ndarray) -> np.ndarray:
         plan(g, b)
     _weight_terms(g)
     half = S // 2
-    mine, theirs = beside_a_copy(lambda: simulate(g, masks[:half]), lambda: simulate(g, masks[half:]))
-    return np.concatenate([mine, theirs if theirs is not None else simulate(g, masks[half:])])
+    return np.concatenate(beside_a_copy(lambda: simulate(g, masks[:half]), lambda: simulate(g, masks[half:])))
 
 
 def step_times(T: np.ndarray) -> np.ndarray:

@@ -4,7 +4,7 @@
   loaded), else forkserver (forking a process that runs other threads can deadlock them).
 * :func:`beside_a_copy`: one job here while a forked copy of this process does another, with what this
   process holds inherited at the fork, never pickled (a large run's graph, its read states). Only the
-  copy's answer comes back. Without fork, or when the copy fails, the caller does that job here.
+  copy's answer comes back. Without fork, or when the copy fails, that job is done here after the other.
 
 The pools' modules (``concurrent.futures``, ``multiprocessing``) are imported where a pool starts: a
 small read never pays for them.
@@ -42,14 +42,14 @@ def can_fork() -> bool:
     return (os.cpu_count() or 1) >= 2 and pool_context().get_start_method() == "fork"
 
 
-def beside_a_copy(mine: Callable[[], Mine], theirs: Callable[[], Theirs]) -> tuple[Mine, Theirs | None]:
-    """``mine()`` here while a forked copy of this process runs ``theirs()``; both answers, the second
-    None when there was no copy (:func:`can_fork` false) or it failed (killed for memory, broken): the
-    caller then does ``theirs`` here. An exception of ``mine`` is raised here as usual."""
+def beside_a_copy(mine: Callable[[], Mine], theirs: Callable[[], Theirs]) -> tuple[Mine, Theirs]:
+    """``mine()`` here while a forked copy of this process runs ``theirs()``; both answers. Without a
+    copy (fork not safe here: :func:`pool_context`) or when it fails (killed for memory, broken),
+    ``theirs()`` runs here after ``mine()``. An exception of ``mine`` is raised here as usual."""
     global _INHERITED
     context = pool_context()
     if context.get_start_method() != "fork":
-        return mine(), None
+        return mine(), theirs()
     from concurrent.futures import ProcessPoolExecutor
 
     _INHERITED = theirs
@@ -59,10 +59,11 @@ def beside_a_copy(mine: Callable[[], Mine], theirs: Callable[[], Theirs]) -> tup
             here = mine()
             try:
                 return here, other.result()
-            except Exception:  # noqa: BLE001 - a copy killed (memory) or broken: its job is done by the caller
-                return here, None
+            except Exception:  # noqa: BLE001 - a copy killed (memory) or broken: its job is done here, below
+                pass
     finally:
         _INHERITED = None
+    return here, theirs()
 
 
 def _run_inherited() -> Any:

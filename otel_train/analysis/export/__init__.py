@@ -423,8 +423,6 @@ def _render_halves(work: _Slice, f: IO[bytes]) -> Counts:
     Without fork (threads running) or when the copy fails, the second half is rendered here."""
     half = len(work.order) // 2
     mine, theirs = beside_a_copy(lambda: work.render(0, half, f), lambda: _into_bytes(work, half, len(work.order)))
-    if theirs is None:
-        theirs = _into_bytes(work, half, len(work.order))
     if mine.processes and theirs[0].processes:
         f.write(work.renderer.SEPARATOR)
     f.write(theirs[1])
