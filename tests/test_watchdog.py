@@ -42,22 +42,29 @@ def stuck_until_records(more: int, cap_s: float = 30.0) -> None:
 
 
 def test_heartbeats_only_while_quiet_at_the_configured_cadence(tmp_path: Path) -> None:
-    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0.4, stall_min_s=60)
+    """A heartbeat only after ``heartbeat_s`` without a record, and then one every ``heartbeat_s``.
+    Judged on the records' own times, not on fixed sleeps: a loaded machine may hold the busy loop
+    (then a beat in its gap is right) or the watchdog's look (then a beat is late, not missing)."""
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0.4, stall_min_s=60, digest_s=0)
     busy_until = time.monotonic() + 1.2
-    while time.monotonic() < busy_until:  # a record every 50 ms: never quiet for 0.4 s
+    while time.monotonic() < busy_until:  # a record every 50 ms: never quiet for 0.4 s unless held
         with ot.log_trace_span("data_fetch"):
             time.sleep(0.05)
     quiet_from = time.time()
     with ot.log_trace_span("step"):
-        time.sleep(2.1)
+        stuck_until_records(5)  # five heartbeats: nothing else writes while the step is open
     ot.shutdown()
-    beats = _named(_records(tmp_path), schema.INSTANT_HEARTBEAT)
-    assert beats and all(b["ts"] >= quiet_from + 0.4 for b in beats)
-    gaps = np.diff([quiet_from] + [b["ts"] for b in beats])
+    records = sorted(_records(tmp_path), key=lambda r: r["ts"])
+    beats = _named(records, schema.INSTANT_HEARTBEAT)
+    quiet = [b for b in beats if b["ts"] >= quiet_from]
+    assert len(quiet) >= 5, [r["name"] for r in records[-10:]]
+    before = {id(b): max(r["ts"] for r in records if r["ts"] < b["ts"]) for b in beats}
     tick = 0.1  # heartbeat_s / 4
-    assert len(beats) in (4, 5) and gaps.min() >= 0.4 and gaps.max() <= 0.4 + 2 * tick + 0.1, gaps
-    assert beats[0]["attrs"]["open"] == [{"tid": threading.get_native_id(), "spans": ["step"]}]
-    assert "span_id" not in beats[0] and "caller" not in beats[0]
+    assert all(b["ts"] - before[id(b)] >= 0.4 - 0.005 for b in beats), [b["ts"] - before[id(b)] for b in beats]
+    gaps = np.diff([before[id(quiet[0])]] + [b["ts"] for b in quiet])
+    assert np.median(gaps) <= 0.4 + 2 * tick + 0.1, gaps  # noticed within a tick, written at the next
+    assert quiet[0]["attrs"]["open"] == [{"tid": threading.get_native_id(), "spans": ["step"]}]
+    assert "span_id" not in quiet[0] and "caller" not in quiet[0]
 
 
 def test_stall_threshold_without_history_is_min_times_factor_with_stacks(tmp_path: Path) -> None:
