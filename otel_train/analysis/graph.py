@@ -983,7 +983,10 @@ def _weights(g: Graph, keep: np.ndarray, e0: int, n: int) -> np.ndarray:
         lo, hi = np.searchsorted(rows[t], (e0, e0 + n))
         r = rows[t][lo:hi]
         if r.size:
-            W[r - e0] += keep[g.own[r, t]] * delta[r, t, None]
+            local = r - e0
+            add = keep.take(g.own[r, t], axis=0) * delta[r, t, None]
+            add += W.take(local, axis=0)
+            W[local] = add
     return W
 
 
@@ -1005,9 +1008,11 @@ def simulate(g: Graph, masks: np.ndarray) -> np.ndarray:
         V[p.n] = -np.inf
         for p0, pm, p1, src, edge, idx, wid in p.levels:
             if pm > p0:
-                V[p0:pm] = V[src] + W[edge]
+                np.add(V.take(src, axis=0), W.take(edge, axis=0), out=V[p0:pm])
             if p1 > pm:
-                V[pm:p1] = (V[idx] + W[wid]).max(axis=1)
+                both = V.take(idx, axis=0)
+                both += W.take(wid, axis=0)
+                np.maximum.reduce(both, axis=1, out=V[pm:p1])
         vals = V[p.exits]
         if vals.size:
             T[b] = vals.max(axis=0)
