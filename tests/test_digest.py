@@ -50,11 +50,27 @@ def _kill_when_hung(tmp_path: Path) -> Path:
                              env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
     try:
         assert child.stdout.readline().strip() == "hung"  # type: ignore[union-attr]
-        time.sleep(1.0)  # a digest or two taken while it hangs
+        # A digest taken while it hangs (every 0.2 s while heartbeats grow the file): step 300's forward
+        # among its open spans. Waited for, not slept for: a loaded machine may take its time.
+        deadline = time.monotonic() + 60
+        while not _digest_taken_in_the_hang(run):
+            assert time.monotonic() < deadline and child.poll() is None, "no digest taken while it hangs"
+            time.sleep(0.05)
     finally:
         child.kill()
         child.wait()
     return run
+
+
+def _digest_taken_in_the_hang(run: Path) -> bool:
+    for path in (run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX):
+        try:
+            digest = msgspec.json.decode(path.read_bytes(), type=Digest)
+        except (OSError, msgspec.DecodeError):
+            continue
+        if any(span.name == "forward" and span.step == 300 for span in digest.open):
+            return True
+    return False
 
 
 def test_fast_sees_a_root_span_open_since_the_start_and_approximate_phases(
@@ -123,14 +139,16 @@ def test_a_kill_during_a_digest_write_leaves_the_previous_digest_whole(tmp_path:
         run = tmp_path / f"run{trial}"
         child = subprocess.Popen([sys.executable, "-c", CHURN_CHILD, str(run)],
                                  env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
-        time.sleep(1.0 + rng.random())  # import, init, then a digest at each look (every 50 ms)
+        # Import and init (seconds on a loaded machine), then a digest at each look (every 50 ms): the
+        # first one waited for, then a kill at a random moment of the churn.
+        deadline = time.monotonic() + 60
+        while not list((run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX)):
+            assert time.monotonic() < deadline and child.poll() is None, "no digest written"
+            time.sleep(0.05)
+        time.sleep(rng.random())
         if trial == 0:
             # Each digest is a new file renamed over the old one, never rewritten in place: a reader
             # holding the old one open keeps reading it whole while the name moves on.
-            deadline = time.monotonic() + 20
-            while not list((run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX)):
-                assert time.monotonic() < deadline, "no digest written"
-                time.sleep(0.1)
             (held,) = (run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX)
             with held.open("rb") as f:
                 before = f.read()
@@ -146,7 +164,7 @@ def test_a_kill_during_a_digest_write_leaves_the_previous_digest_whole(tmp_path:
             seen += 1
             decoded = decoder.decode(digest.read_bytes())  # whole: never a torn or half-renamed file
             assert decoded.seq > 0 and decoded.phases
-    assert seen >= 8
+    assert seen == 12  # a digest existed before each kill: one is there after it, whole
 
 
 @pytest.mark.parametrize("tid", [1, 2], ids=["outnested-on-its-thread", "found-in-the-bytes-since"])

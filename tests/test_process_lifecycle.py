@@ -339,7 +339,7 @@ def test_a_multiprocessing_worker_that_inits_dies_of_sigterm_at_once(
     # Pool.terminate and DataLoader shutdown SIGTERM workers that may be anywhere: a worker keeps the default
     # action (docs/runtime.md), so it dies of it even idle in a semaphore, its records whole up to the kill.
     code = """
-    import multiprocessing, signal, time
+    import glob, multiprocessing, os, signal, time
     import otel_train as ot
 
     def work(ready, gate):
@@ -354,8 +354,13 @@ def test_a_multiprocessing_worker_that_inits_dies_of_sigterm_at_once(
         ready, gate = ctx.Event(), ctx.Semaphore(0)
         worker = ctx.Process(target=work, args=(ready, gate))
         worker.start()
-        assert ready.wait(20)
-        time.sleep(0.3)  # the writer thread has written what was queued
+        assert ready.wait(60)
+        # The worker's writer thread has written what was queued: its three records are on disk.
+        files = os.path.join(os.environ["OTEL_TRAIN_SAVE_PATH"], "structured_logs", "*")
+        deadline = time.monotonic() + 60
+        while sum(open(f, "rb").read().count(b"\\n") for f in glob.glob(files)) < 3:
+            assert time.monotonic() < deadline, "the worker's records never reached its trace file"
+            time.sleep(0.01)
         worker.terminate()
         worker.join(10)
         print(worker.exitcode)
