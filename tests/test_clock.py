@@ -319,10 +319,11 @@ def test_export_writes_aligned_times_and_keeps_raw_ts(tmp_path: Path) -> None:
 
 
 def _live_job(run_dir: Path, offsets: dict[str, float], seconds: float, stop: int | None = None,
-              align: bool = True) -> list[dict]:
+              align: bool = True, until: str | None = None) -> list[dict]:
     """Four ranks on two hosts written as they run on the real clock (each host's ``ts`` its own
     clock: real time + offset), a step every 50 ms; rank ``stop`` stops inside data_fetch halfway.
-    Returns the findings watch raised."""
+    Returns the findings watch raised. ``until``: after ``seconds``, go on until watch raised a
+    finding of that kind (at most 60 s more: a loaded machine polls late, it does not skip)."""
     hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
     began = time.time()
     procs = [Proc(rank=r, world_size=4, host=h, t0=began + offsets[h]) for r, h in hosts.items()]
@@ -339,7 +340,12 @@ def _live_job(run_dir: Path, offsets: dict[str, float], seconds: float, stop: in
     logs.mkdir(parents=True, exist_ok=True)
     written = {p.rank: 0 for p in procs}
     raised, step, seq = [], 0, 0
-    while time.time() - began < seconds:
+    def going() -> bool:
+        elapsed = time.time() - began
+        waiting = until is not None and until not in [f["kind"] for f in raised]
+        return elapsed < seconds or (waiting and elapsed < seconds + 60)
+
+    while going():
         now_ms = (time.time() - began) * 1000.0
         if stop is None or time.time() - began < seconds / 2:
             for p in procs:
@@ -373,14 +379,14 @@ def test_watch_makes_no_false_hang_from_clocks_seconds_behind(tmp_path: Path) ->
     assert [f["kind"] for f in _live_job(tmp_path / "aligned", offsets, 3.0)] == ["clock_skew"]
     # The same job read on raw clocks: every span looks 4 s old, a stall that is none.
     # (It names no rank, so watch raises it once it has stood for UNNAMED_HOLD_S.)
-    raw = _live_job(tmp_path / "raw", offsets, 4.0 + UNNAMED_HOLD_S, align=False)
+    raw = _live_job(tmp_path / "raw", offsets, 4.0 + UNNAMED_HOLD_S, align=False, until="hang")
     assert "hang" in [f["kind"] for f in raw]
 
 
 def test_watch_names_the_same_hang_culprit_with_clocks_off(tmp_path: Path) -> None:
     # Rank 1 (host a, 5 s behind) stops; its peers wait in the all_reduce. Host b (5 s ahead) must not
     # hide the hang (its progress in watch's future) nor shift the blame.
-    found = _live_job(tmp_path / "aligned", {"a": -5.0, "b": 5.0}, 6.0, stop=1)
+    found = _live_job(tmp_path / "aligned", {"a": -5.0, "b": 5.0}, 6.0, stop=1, until="hang")
     hangs = [f for f in found if f["kind"] == "hang"]
     assert [(f["rank"], f["comm"]["waiting"]) for f in hangs] == [(1, [0, 2, 3])]
     raw = _live_job(tmp_path / "raw", {"a": -5.0, "b": 5.0}, 6.0, stop=1, align=False)
