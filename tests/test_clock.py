@@ -340,6 +340,7 @@ def _live_job(run_dir: Path, offsets: dict[str, float], seconds: float, stop: in
     logs.mkdir(parents=True, exist_ok=True)
     written = {p.rank: 0 for p in procs}
     raised, step, seq = [], 0, 0
+
     def going() -> bool:
         elapsed = time.time() - began
         waiting = until is not None and until not in [f["kind"] for f in raised]
