@@ -922,11 +922,12 @@ def _plan(g: Graph, b: int) -> Plan:
         level, kept = _levels(src_l, dst_l, n, np.concatenate([np.zeros(R, bool), g.kind[n0:n1] == JOIN]))
     edge = np.flatnonzero(kept)
     fan = np.bincount(dst_l[edge], minlength=n)
-    perm = np.argsort((level * 2 + (fan > 1))[R:], kind="stable")
+    narrow = np.int16 if n < (1 << 14) else np.int64  # keys and positions below 2 n: an int16 stable sort is radix
+    perm = np.argsort(((level * 2 + (fan > 1))[R:]).astype(narrow), kind="stable")
     pos = np.arange(n)
     pos[R + perm] = R + np.arange(perm.size)
     pd = pos[dst_l[edge]]
-    eo = np.argsort(pd, kind="stable")
+    eo = np.argsort(pd.astype(narrow), kind="stable")
     edge, pd, ps = edge[eo], pd[eo], pos[src_l[edge[eo]]]
     key_sorted = (level * 2 + (fan > 1))[R:][perm]
     heads = np.flatnonzero(np.diff(key_sorted, prepend=-1))
@@ -947,18 +948,29 @@ def _level_inputs(pd: np.ndarray, ps: np.ndarray, edge: np.ndarray, bounds: list
                   pad_w: int) -> list[tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """Every level's (p0, pm, p1, src, edge, idx, wid) (:class:`Plan`): its one-input nodes' source and
     edge, and its other nodes' inputs padded to the level's widest (``pad_v``: the -inf row, ``pad_w``:
-    the zero weight), laid out once for the whole block (a few numpy calls a block, not a level)."""
+    the zero weight), laid out once for the whole block (a few numpy calls a block, not a level): the
+    padding holds only the nodes of several inputs, and each level's width is one ``reduceat``."""
     counts = np.bincount(pd, minlength=pad_v)
     col = np.arange(pd.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    idx = np.full((pad_v, max(int(counts.max(initial=0)), 1)), pad_v)
+    several = counts > 1
+    row = np.cumsum(several) - 1  # a node of several inputs: its row of the padding
+    into = several[pd]
+    idx = np.full((max(int(several.sum()), 1), max(int(counts.max(initial=0)), 1)), pad_v)
     wid = np.full(idx.shape, pad_w)
-    idx[pd, col], wid[pd, col] = ps, edge
-    cuts = np.searchsorted(pd, np.array([b[:2] for b in bounds], np.int64).reshape(-1, 2)).tolist()
+    at = (row[pd[into]], col[into])
+    idx[at], wid[at] = ps[into], edge[into]
+    b = np.array(bounds, np.int64).reshape(-1, 3)
+    cuts = np.searchsorted(pd, b[:, :2]).tolist()
+    has = b[:, 2] > b[:, 1]
+    widths = np.zeros(b.shape[0], np.int64)
+    first = np.zeros(b.shape[0], np.int64)
+    if has.any():
+        widths[has] = np.maximum.reduceat(np.append(counts, 0), b[has][:, 1:].ravel())[::2]
+        first[has] = row[b[has, 1]]
     out = []
-    for (p0, pm, p1), (q0, qm) in zip(bounds, cuts):
-        width = int(counts[pm:p1].max(initial=0))
-        out.append((p0, pm, p1, ps[q0:qm], edge[q0:qm], np.ascontiguousarray(idx[pm:p1, :width]),
-                    np.ascontiguousarray(wid[pm:p1, :width])))
+    for (p0, pm, p1), (q0, qm), w, r in zip(bounds, cuts, widths.tolist(), first.tolist()):
+        out.append((p0, pm, p1, ps[q0:qm], edge[q0:qm], np.ascontiguousarray(idx[r:r + p1 - pm, :w]),
+                    np.ascontiguousarray(wid[r:r + p1 - pm, :w])))
     return out
 
 
