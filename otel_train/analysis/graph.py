@@ -922,14 +922,15 @@ def _plan(g: Graph, b: int) -> Plan:
         level, kept = _levels(src_l, dst_l, n, np.concatenate([np.zeros(R, bool), g.kind[n0:n1] == JOIN]))
     edge = np.flatnonzero(kept)
     fan = np.bincount(dst_l[edge], minlength=n)
+    rank_key = (level * 2 + (fan > 1))[R:]  # by level, within a level the nodes of one input first
     narrow = np.int16 if n < (1 << 14) else np.int64  # keys and positions below 2 n: an int16 stable sort is radix
-    perm = np.argsort(((level * 2 + (fan > 1))[R:]).astype(narrow), kind="stable")
+    perm = np.argsort(rank_key.astype(narrow), kind="stable")
     pos = np.arange(n)
     pos[R + perm] = R + np.arange(perm.size)
     pd = pos[dst_l[edge]]
     eo = np.argsort(pd.astype(narrow), kind="stable")
     edge, pd, ps = edge[eo], pd[eo], pos[src_l[edge[eo]]]
-    key_sorted = (level * 2 + (fan > 1))[R:][perm]
+    key_sorted = rank_key[perm]
     heads = np.flatnonzero(np.diff(key_sorted, prepend=-1))
     ends = np.append(heads[1:], key_sorted.size) + R
     spans: dict[int, list[int]] = {}  # level -> [p0, pm, p1]
