@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -54,19 +55,29 @@ def _kill_when_hung(tmp_path: Path) -> Path:
     try:
         assert child.stdout.readline().strip() == "hung"  # type: ignore[union-attr]
         # A digest taken while it hangs (every 0.2 s while heartbeats grow the file): step 300's forward
-        # among its open spans. Waited for, not slept for: a loaded machine may take its time.
-        deadline = time.monotonic() + 60
-        while not _digest_taken_in_the_hang(run):
-            assert time.monotonic() < deadline and child.poll() is None, "no digest taken while it hangs"
-            time.sleep(0.05)
+        # among its open spans.
+        _wait_for(lambda: _digest_taken_in_the_hang(run), child, "no digest taken while it hangs")
     finally:
         child.kill()
         child.wait()
     return run
 
 
+def _wait_for(done: Callable[[], bool], child: subprocess.Popen, failure: str, cap_s: float = 60.0) -> None:
+    """Poll ``done`` until true while ``child`` lives: waited for, not slept for (a loaded machine may
+    take its time); past ``cap_s``, or the child dead, the test fails with ``failure``."""
+    deadline = time.monotonic() + cap_s
+    while not done():
+        assert time.monotonic() < deadline and child.poll() is None, failure
+        time.sleep(0.05)
+
+
+def _digests(run: Path) -> list[Path]:
+    return list((run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX))
+
+
 def _digest_taken_in_the_hang(run: Path) -> bool:
-    for path in (run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX):
+    for path in _digests(run):
         try:
             digest = msgspec.json.decode(path.read_bytes(), type=Digest)
         except (OSError, msgspec.DecodeError):
@@ -116,7 +127,7 @@ def test_fast_sees_a_root_span_open_since_the_start_and_approximate_phases(
 
 def test_without_the_digest_the_old_root_span_is_out_of_view(tmp_path: Path) -> None:
     run = _kill_when_hung(tmp_path)
-    for path in (run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX):
+    for path in _digests(run):
         path.unlink()
     quick = summarize_fast(run, warn=pytest.fail)
     assert quick["phases"] is None and quick["digests"] == 0
@@ -147,15 +158,12 @@ def test_a_kill_during_a_digest_write_leaves_the_previous_digest_whole(tmp_path:
                                  env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})
         # Import and init (seconds on a loaded machine), then a digest at each look (every 50 ms): the
         # first one waited for, then a kill at a random moment of the churn.
-        deadline = time.monotonic() + 60
-        while not list((run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX)):
-            assert time.monotonic() < deadline and child.poll() is None, "no digest written"
-            time.sleep(0.05)
+        _wait_for(lambda: bool(_digests(run)), child, "no digest written")
         time.sleep(rng.random())
         if trial == 0:
             # Each digest is a new file renamed over the old one, never rewritten in place: a reader
             # holding the old one open keeps reading it whole while the name moves on.
-            (held,) = (run / schema.DIGESTS_DIR).glob("*" + schema.DIGEST_SUFFIX)
+            (held,) = _digests(run)
             with held.open("rb") as f:
                 before = f.read()
                 time.sleep(2.5)
