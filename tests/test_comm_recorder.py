@@ -161,8 +161,10 @@ def test_set_mesh_misuse_raises_even_when_tracing_is_off(args: tuple[Any, ...], 
 
 # One process, one gloo group: every op through the real runtime (a fresh interpreter each).
 
+# Each scenario's group is destroyed before the interpreter exits, as a script should (docs/comm.md,
+# "Exit"): gloo's worker threads left running into interpreter finalization can abort the process.
 PRELUDE = """
-import json, os, sys, time, threading
+import atexit, json, os, sys, time, threading
 import torch, torch.distributed as dist
 import otel_train as ot
 from otel_train import runtime
@@ -170,6 +172,11 @@ save = sys.argv[1]
 def group():
     store = dist.FileStore(os.path.join(save, "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+def leave():  # a DDP model keeps its group's gloo threads past destroy_process_group: no finalizing under them
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 """
 
 
@@ -271,6 +278,7 @@ def test_ddp_reducer_ops_are_one_span_each_through_the_comm_hook(tmp_path: Path)
         ott.backward(model(torch.ones(2, 8)).sum())
     time.sleep(1.0)
     ot.shutdown()
+    leave()
     """)
     recs = records(tmp_path)
     spans = comm_spans(recs)
@@ -296,6 +304,7 @@ def test_group_made_before_init_is_said_in_process_start_and_ddp_still_recorded(
     with ot.training_step(0):
         ott.backward(model(torch.ones(2, 8)).sum())
     ot.shutdown()
+    leave()
     """)
     recs = records(tmp_path)
     comm = next(r for r in recs if r["name"] == S.INSTANT_PROCESS_START)["attrs"]["comm"]
@@ -417,6 +426,7 @@ def test_torch_distributed_imported_after_init_is_patched_on_import(tmp_path: Pa
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(save, "store"), 1), rank=0, world_size=1)
     dist.all_reduce(torch.ones(2))
     ot.shutdown()
+    dist.destroy_process_group()
     """))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TORCH_FR"))}
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], env={**env, "PYTHONPATH": str(ROOT)},

@@ -111,6 +111,7 @@ for step in range(steps):
                 os.kill(os.getpid(), signal.SIGKILL)
 dist.destroy_process_group()
 ot.shutdown()
+os._exit(0)  # DDP keeps gloo's threads past destroy_process_group: no finalizing under them (docs/comm.md, "Exit")
 """
 
 

@@ -29,7 +29,7 @@ CLI = Path(sys.executable).with_name("otel-train")
 EPOCHS, STEPS, SLOW_MS = 3, 15, 28.0
 
 JOB = r"""
-import sys, time
+import os, sys, time
 import torch, torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -58,6 +58,7 @@ for epoch in range(epochs):
                 opt.zero_grad()
 dist.destroy_process_group()
 ot.shutdown()
+os._exit(0)  # DDP keeps gloo's threads past destroy_process_group: no finalizing under them (docs/comm.md, "Exit")
 """
 
 
