@@ -56,6 +56,7 @@ for _ in range(5):
     best.append((time.perf_counter_ns() - t0) / (ops // 5) / 1000)
 print(json.dumps(min(best)))
 ot.shutdown()
+dist.destroy_process_group()  # gloo's threads joined before exit (docs/comm.md, "Exit")
 """
 
 SAME_PROCESS = """
@@ -79,6 +80,7 @@ pairs = [(block(original), block(wrapped)) for _ in range(blocks)]
 print(json.dumps({"original_us": statistics.median(a for a, _ in pairs), "recorded_us": statistics.median(b for _, b in pairs),
                   "added_us": statistics.median(b - a for a, b in pairs)}))
 ot.shutdown()
+dist.destroy_process_group()  # gloo's threads joined before exit (docs/comm.md, "Exit")
 """
 
 RATE = """
@@ -121,6 +123,7 @@ out = {"ops": issued, "wall_s": wall, "recorder_cpu_s": used["otel-train-comm"],
        "watchdog_cpu_s": used["otel-train-watchdog"], "spans": rec.spans, "fr_spans": rec.fr_spans,
        "fr_reads": rec._buffer.reads, "fr_read_cpu_s": rec._buffer.cpu_s, "fr_lost": rec.fr_lost}
 ot.shutdown()
+dist.destroy_process_group()
 print(json.dumps(out))
 """
 
