@@ -147,7 +147,10 @@ def test_whatif_ideal_and_top_rank_take_out_what_the_straggler_added(runs: dict[
     assert (measured - added - jitter) * 0.9 <= ideal <= (measured - added) * 1.1, (slow["step_ms"], added, jitter)
     top = slow["by_rank"][0]
     assert top["rank"] == SLOW_RANK, top
-    low, high = measured / (measured - added) * 0.9, measured / (measured - added - jitter) * 1.1
+    # Taking out the straggler's excess alone leaves the other rank's as it ran: where the busy machine
+    # slowed rank 0 in a step, rank 0 is then that step's critical path, up to the jitter (fresh-clone
+    # run 81, beside a busy loop: rank 1 alone took out 22.8 of its 30.1 ms, the ideal 29.6, jitter 5.4).
+    low, high = measured / (measured - added + jitter) * 0.9, measured / (measured - added - jitter) * 1.1
     assert low <= top["slowdown"] <= high, (top, slow["step_ms"], added, jitter)
 
 
