@@ -123,7 +123,7 @@ out = {"ops": issued, "wall_s": wall, "recorder_cpu_s": used["otel-train-comm"],
        "watchdog_cpu_s": used["otel-train-watchdog"], "spans": rec.spans, "fr_spans": rec.fr_spans,
        "fr_reads": rec._buffer.reads, "fr_read_cpu_s": rec._buffer.cpu_s, "fr_lost": rec.fr_lost}
 ot.shutdown()
-dist.destroy_process_group()
+dist.destroy_process_group()  # gloo's threads joined before exit (docs/comm.md, "Exit")
 print(json.dumps(out))
 """
 

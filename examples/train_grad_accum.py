@@ -122,9 +122,9 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # DDP (and a pipeline stage) keeps gloo's process group, with its worker threads, alive past
-    # destroy_process_group; a worker still letting go of its last op's tensors while the interpreter
-    # finalizes aborts the process (torch's, with or without otel-train: docs/comm.md, "Exit").
+    # DDP keeps gloo's process group, with its worker threads, alive past destroy_process_group; a
+    # worker still letting go of its last op's tensors while the interpreter finalizes aborts the
+    # process (torch's, with or without otel-train: docs/comm.md, "Exit").
     # Everything is written by now: leave without finalizing.
     sys.stdout.flush()
     sys.stderr.flush()
