@@ -7,12 +7,15 @@ processor keeps them until they end); this thread looks at that set about once a
 
 * ``heartbeat`` when the process has written nothing for ``heartbeat_s``; attrs ``open``: the open
   span names of every thread, outermost first. A reader tells a quiet process from a dead one by it.
-* ``stall`` when the innermost open span of a thread has been open longer than its threshold
+* ``stall`` when the innermost open span of a thread has been innermost longer than its threshold
   (``otel_train.stall``: ``max(stall_min_s, stall_factor × p99 of that name so far)``), and again
-  each time its open time doubles, at most 6 times per span. It carries the span's ids, step context and thread, and every thread's Python stack.
+  each time that time doubles, at most 6 times per span. It carries the span's ids, step context and
+  thread, and every thread's Python stack.
 
-Only the innermost open span of each thread is judged: a ``step`` that is long because its
-``checkpoint`` is long (and within the checkpoint's own threshold) is not a stall.
+Only the innermost open span of each thread is judged, and only for the time it has been innermost:
+since the later of its start and the end of its last child span. A ``step`` that is long because its
+``checkpoint`` is long (and within the checkpoint's own threshold) is not a stall, neither while the
+checkpoint runs nor in the moment between the checkpoint's end and the step's.
 
 Costs on the hot path: one deque append of the span at its end; the thread counts those spans
 into a per-name duration sketch (:class:`DurationSketch`, O(1) per span). It reads the processor's
@@ -26,6 +29,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
+from collections.abc import Iterable
 import threading
 import time
 from types import FrameType
@@ -100,12 +104,11 @@ class DurationSketch:
         if dur_ns > totals[1]:
             totals[1] = dur_ns
 
-    def count(self, ended: deque[Any]) -> None:
-        """Count and remove every span in ``ended`` (objects with ``_name``, ``_start_time``, ``_end_time``)."""
+    def count(self, ended: Iterable[Any]) -> None:
+        """Count every span of ``ended`` (objects with ``_name``, ``_start_time``, ``_end_time``)."""
         log, inv = _log, sketch.INV_LOG_GAMMA
-        pop, last, counts, totals = ended.popleft, None, None, None
-        for _ in range(len(ended)):
-            span = pop()
+        last, counts, totals = None, None, None
+        for span in ended:
             if span._name is not last:
                 last = span._name
                 counts, totals = self._slots(last)
@@ -179,10 +182,11 @@ def _frames(frame: FrameType | None) -> list[str]:
 
 
 class _Stall:
-    __slots__ = ("threshold_s", "written")
+    __slots__ = ("threshold_s", "since_ns", "written")
 
-    def __init__(self, threshold_s: float) -> None:
+    def __init__(self, threshold_s: float, since_ns: int) -> None:
         self.threshold_s = threshold_s
+        self.since_ns = since_ns  # when the span became its thread's innermost (what it is judged from)
         self.written = 0
 
 
@@ -207,6 +211,7 @@ class Watchdog:
         self._quiet_since = time.monotonic()
         self._wall_offset = _clock.wall_offset_ns()  # the wall clock against the records' at the last look
         self._stalls: dict[int, _Stall] = {}
+        self._child_ends: dict[int, int] = {}  # open span id -> the latest end (ns) of a span it parents, or 0
         # Called with the span's name after each stall record (the comm recorder dumps Flight Recorder).
         self.on_stall: Any = None
 
@@ -219,7 +224,7 @@ class Watchdog:
     def final_digest(self) -> None:
         """At shutdown, after the open spans ended: count what ended since the last look, write the digest."""
         if self.digest is not None:
-            self.sketch.count(self.ended)
+            self.sketch.count(self._drain())
             self.digest.write(self._sink, self.sketch, final=True)  # type: ignore[arg-type]
 
     def stop(self, timeout_s: float = 1.0) -> None:
@@ -238,13 +243,21 @@ class Watchdog:
 
     def check(self) -> None:
         """One look: stall records for spans past their threshold, then a heartbeat if the process is quiet."""
-        self.sketch.count(self.ended)
+        # The open spans first: a span the copy misses has ended, and the processor queued it in `ended`
+        # before it left the table, so the drain after the copy has it (its end times its parent).
+        open_spans = self._sink.open_spans()
+        ended = self._drain()
+        self.sketch.count(ended)
         if self.digest is not None:
             self.digest.maybe(self._sink, self.sketch)  # type: ignore[arg-type]
-        open_spans = self._sink.open_spans()
         self._check_clock()
-        self._check_stalls(open_spans, _clock.now_ns())
+        self._check_stalls(open_spans, ended, _clock.now_ns())
         self._check_quiet(open_spans, time.monotonic())
+
+    def _drain(self) -> list[Any]:
+        """Every span queued in :attr:`ended` so far, removed from it (the hot path appends meanwhile)."""
+        pop = self.ended.popleft
+        return [pop() for _ in range(len(self.ended))]
 
     def _check_clock(self) -> None:
         """A ``clock_step`` instant when the wall clock moved away from the records' clock (docs/clock.md):
@@ -255,6 +268,22 @@ class Watchdog:
             return  # a slewing NTP moves the wall clock 0.5 ms a second at most: never this much between looks
         self._sink.instant_for(S.INSTANT_CLOCK_STEP, {
             "step_s": round(step / 1e9, 3), "offset_s": round(offset / 1e9, 3), "clock": _clock.anchor()})
+
+    def _innermost_since(self, open_spans: list[tuple[int, str, int, int]],
+                         innermost: dict[int, tuple[int, str, int, int]], ended: list[Any]) -> dict[int, int]:
+        """Each innermost span's id -> when it became innermost (ns): the later of its start and the
+        latest end of a span it parents. Children's ends are kept for every open span, not only the
+        innermost: a child may end between a look's copy of the table and its drain, and its parent is
+        innermost only from the next look on."""
+        ends = {sid: self._child_ends.get(sid, 0) for sid, _, _, _ in open_spans}
+        for span in ended:
+            parent = span._parent
+            if parent is not None:
+                end = ends.get(parent.span_id)
+                if end is not None and span._end_time > end:
+                    ends[parent.span_id] = span._end_time
+        self._child_ends = ends
+        return {sid: max(start, ends[sid]) for sid, _, start, _ in innermost.values()}
 
     def _check_quiet(self, open_spans: list[tuple[int, str, int, int]], now: float) -> None:
         seq = self._sink.records_written
@@ -268,30 +297,31 @@ class Watchdog:
             self._sink.instant_for(S.INSTANT_HEARTBEAT, {"open": [{"tid": t, "spans": n} for t, n in by_thread.items()]})
             self._seen_seq, self._quiet_since = self._sink.records_written, now
 
-    def _check_stalls(self, open_spans: list[tuple[int, str, int, int]], now_ns: int) -> None:
+    def _check_stalls(self, open_spans: list[tuple[int, str, int, int]], ended: list[Any], now_ns: int) -> None:
         innermost: dict[int, tuple[int, str, int, int]] = {}
         for span in open_spans:
             current = innermost.get(span[3])
             if current is None or span[2] >= current[2]:
                 innermost[span[3]] = span
-        live = {span[0] for span in innermost.values()}
-        for gone in [sid for sid in self._stalls if sid not in live]:
+        since = self._innermost_since(open_spans, innermost, ended)
+        for gone in [sid for sid in self._stalls if sid not in since]:
             del self._stalls[gone]
         for span_id, name, start_ns, tid in innermost.values():
-            open_s = (now_ns - start_ns) / 1e9
-            if open_s < self._stall_min_s:
+            inner_s = (now_ns - since[span_id]) / 1e9
+            if inner_s < self._stall_min_s:
                 continue  # below any threshold: no quantile needed
             stall = self._stalls.get(span_id)
-            if stall is None:
+            if stall is None or since[span_id] > stall.since_ns:  # new, or a child ended since: judged afresh
                 count, p99 = self.sketch.quantile(name, 0.99)
                 threshold = stall_threshold(count, p99, self._stall_min_s, self._stall_factor)
-                stall = self._stalls[span_id] = _Stall(threshold)
-            if stall.written >= MAX_STALLS_PER_SPAN or open_s < stall.threshold_s * (2 ** stall.written):
+                stall = self._stalls[span_id] = _Stall(threshold, since[span_id])
+            if stall.written >= MAX_STALLS_PER_SPAN or inner_s < stall.threshold_s * (2 ** stall.written):
                 continue
             stall.written += 1
             self._sink.instant_for(S.INSTANT_STALL, {
                 "span": name,
-                "open_s": round(open_s, 3),
+                "open_s": round((now_ns - start_ns) / 1e9, 3),
+                "innermost_s": round(inner_s, 3),
                 "threshold_s": round(stall.threshold_s, 3),
                 "tid": tid,
                 "stacks": thread_stacks(skip_ident=threading.get_ident()),

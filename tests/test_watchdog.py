@@ -122,6 +122,34 @@ def test_only_the_innermost_span_of_a_thread_is_judged(tmp_path: Path) -> None:
     assert _named(_records(tmp_path), schema.INSTANT_STALL) == []
 
 
+def test_a_parent_is_judged_from_its_last_childs_end(tmp_path: Path) -> None:
+    """The moment between a long child's end and its parent's end: the parent is innermost then, but
+    only since the child ended. A look there once named a healthy step a stall (open 0.5 s against its
+    0.2 s threshold) in a loaded test run. A thread that then stays in the parent's own code is still a
+    stall, timed from the child's end. The looks are made by hand, at those two moments."""
+    from otel_train import runtime
+
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0, stall_min_s=0.2, stall_factor=10)
+    dog = runtime._active.watchdog  # type: ignore[union-attr]
+    dog.stop()  # no look of its own: only the two below
+    for _ in range(5):
+        with ot.log_trace_span("step"):
+            pass  # "step" learns to be short: its threshold is max(0.2 s, 10 x its p99) = 0.2 s
+    with ot.log_trace_span("step"):
+        with ot.log_trace_span("checkpoint"):  # no history: its threshold is 0.2 x 10 = 2 s
+            time.sleep(0.5)
+        written = runtime._active.jsonl.records_written  # type: ignore[union-attr]
+        dog.check()  # the step: open 0.5 s, innermost for a moment
+        assert runtime._active.jsonl.records_written == written  # type: ignore[union-attr]  # no stall
+        time.sleep(0.3)  # now in the step's own code, past its threshold
+        dog.check()
+    ot.shutdown()
+    (stall,) = _named(_records(tmp_path), schema.INSTANT_STALL)
+    attrs = stall["attrs"]
+    assert attrs["span"] == "step" and attrs["threshold_s"] == 0.2 and attrs["innermost_s"] >= 0.3
+    assert attrs["open_s"] - attrs["innermost_s"] >= 0.5 - 0.002  # the checkpoint's time is not counted
+
+
 class FakeSink:
     """Open spans and the records the watchdog writes, without a processor."""
 

@@ -127,20 +127,24 @@ class JsonlSpanProcessor(SpanProcessor):
     def on_end(self, span: ReadableSpan) -> None:
         try:
             with self._lock:
-                closed = self.closed_entries
-                if closed is not None and span._context.span_id in self._open:
-                    closed.append(self._open[span._context.span_id])
-                entry = self._open.pop(span._context.span_id, None)
+                span_id = span._context.span_id
+                entry = self._open.get(span_id)
                 if entry is None:
                     self._end_record(span, None, incomplete=False)
                 else:  # the common case, inline: it runs for every span
+                    # Queued before it leaves the open table, so that a look at the table (one dict copy,
+                    # no lock) finds every span either open or queued: the watchdog times a parent from
+                    # its children's ends, the comm recorder parents ops by the spans they ran in.
+                    ended, closed = self.ended, self.closed_entries
+                    if ended is not None:
+                        ended.append(span)
+                    if closed is not None:
+                        closed.append(entry)
+                    del self._open[span_id]
                     seq = self._seq + 1
                     line = self._encoder.span_end(span, entry[1], seq, state=entry[2])
                     self._seq = seq
                     self._write(line)
-            ended = self.ended
-            if ended is not None and entry is not None:
-                ended.append(span)
         except Exception as exc:
             self._fault("a span end", exc)
 

@@ -55,8 +55,8 @@ from otel_train.analysis.findings import (
 )
 from otel_train.analysis.records import (AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, TraceReadError, Warn,
                                          head)
-from otel_train.analysis.spans import (STATUS_OPEN, PhaseSeries, ProcessState, Run, assign_attempts, choose_run,
-                                       in_run)
+from otel_train.analysis.spans import (STATUS_OPEN, OpenSpan, PhaseSeries, ProcessState, Run, assign_attempts,
+                                       choose_run, in_run)
 from otel_train.analysis.stacks import clean_stacks
 from otel_train.config import Settings
 from otel_train.phases import STEP
@@ -207,7 +207,7 @@ class LiveProcess:
     """One process instance being followed: its span-model state and what only a live reader knows."""
 
     __slots__ = ("state", "thresholds", "restarts_left", "progress_ts", "local", "dead", "silent", "gone_at",
-                 "_limits", "skew", "_elapsed", "_read")
+                 "_limits", "skew", "_elapsed", "_read", "_child_ends")
 
     def __init__(self, state: ProcessState, local: bool,
                  elapsed: Callable[[float], float] = lambda now: time.monotonic()) -> None:
@@ -223,6 +223,7 @@ class LiveProcess:
         self.skew = 0.0  # watch's clock minus its host's clock, when that host's is off (docs/clock.md)
         self._elapsed = elapsed  # watch's monotonic time (a test's clock: that clock)
         self._read: tuple[float, float] | None = None  # (its clock, watch's elapsed time) at the latest read
+        self._child_ends: dict[str, float] = {}  # open span id -> the latest end of a span it parents
 
     def mark_read(self, now: float, raw: bool = False) -> None:
         """After a read that brought records: where its clock stood then (:meth:`clock`); ``raw``
@@ -254,6 +255,7 @@ class LiveProcess:
         ends = [r.ts for r in records if type(r) is SpanEnd and r.status in _OK_END]
         if ends:
             self.progress_ts = max(self.progress_ts or 0.0, max(ends))
+        self._note_child_ends(records)
         for r in records:
             if type(r) is Instant and r.name == schema.INSTANT_PROCESS_START:
                 attrs = r.attrs or {}
@@ -261,8 +263,22 @@ class LiveProcess:
                 self.restarts_left = _restarts_left(attrs.get("env"))
         return len(state.errors) != errors or state.ended_cleanly != ended
 
+    def _note_child_ends(self, records: list[AnyRecord]) -> None:
+        ends, opened = self._child_ends, self.state.opened
+        for r in records:
+            if type(r) is SpanEnd and r.parent_span_id in opened and r.ts > ends.get(r.parent_span_id, 0.0):
+                ends[r.parent_span_id] = r.ts  # type: ignore[index]
+        if len(ends) > 2 * len(opened) + 64:
+            self._child_ends = {k: v for k, v in ends.items() if k in opened}
+
+    def innermost_since(self, inner: OpenSpan) -> float:
+        """When ``inner`` became its thread's innermost open span: the later of its start and the end of
+        the last span it parents (the watchdog's rule, docs/watch.md)."""
+        return max(inner.start_ts, self._child_ends.get(inner.span_id, 0.0))
+
     def stalled(self, now: float) -> bool:
-        """Whether its innermost open span is past that name's stall threshold in this process.
+        """Whether its innermost open span is past that name's stall threshold in this process, counted
+        from when it became innermost (:meth:`innermost_since`).
 
         A process whose watchdog still writes has the say (its ``stall`` record carries the stacks);
         the same rule computed here decides for one that is silent or runs without a watchdog, and
@@ -271,19 +287,27 @@ class LiveProcess:
         inner = self.state.innermost
         if inner is None or inner.status != STATUS_OPEN:
             return False
-        open_s = self.clock(now) - inner.start_ts
+        since = self.innermost_since(inner)
+        open_s = self.clock(now) - since
         if open_s < self.thresholds.stall_min_s:
             return False
-        if inner.span_id in self.state.stalls:
+        if self._stall_record(inner, since):
             return True
         return open_s >= self._threshold(inner.name) + (STALL_RECORD_GRACE_S if self._watched() else 0.0)
 
     def awaiting_stall_record(self, now: float) -> bool:
         """Whether its watchdog should write the ``stall`` record (and stacks) of its innermost span soon."""
         inner = self.state.innermost
-        if inner is None or inner.status != STATUS_OPEN or inner.span_id in self.state.stalls or not self._watched():
+        if inner is None or inner.status != STATUS_OPEN or not self._watched():
             return False
-        return self.clock(now) - inner.start_ts < self._threshold(inner.name) + STALL_RECORD_GRACE_S
+        since = self.innermost_since(inner)
+        return not self._stall_record(inner, since) and \
+            self.clock(now) - since < self._threshold(inner.name) + STALL_RECORD_GRACE_S
+
+    def _stall_record(self, inner: OpenSpan, since: float) -> bool:
+        # Its watchdog's stall record since it became innermost: one from before a child ran is over.
+        record = self.state.stalls.get(inner.span_id)
+        return record is not None and record.ts >= since
 
     def _watched(self) -> bool:
         # Its watchdog is on and still writes (it is neither silent nor gone).
