@@ -7,15 +7,18 @@ processor keeps them until they end); this thread looks at that set about once a
 
 * ``heartbeat`` when the process has written nothing for ``heartbeat_s``; attrs ``open``: the open
   span names of every thread, outermost first. A reader tells a quiet process from a dead one by it.
-* ``stall`` when the innermost open span of a thread has been innermost longer than its threshold
-  (``otel_train.stall``: ``max(stall_min_s, stall_factor × p99 of that name so far)``), and again
-  each time that time doubles, at most 6 times per span. It carries the span's ids, step context and
-  thread, and every thread's Python stack.
+* ``stall`` when the innermost open span of a thread has been open longer than its threshold
+  (``otel_train.stall``: ``max(stall_min_s, stall_factor × p99 of that name so far)``) and the
+  innermost for at least ``stall_min_s``; again each time its open time doubles, at most 6 times per
+  span. It carries the span's ids, step context and thread, and every thread's Python stack.
 
-Only the innermost open span of each thread is judged, and only for the time it has been innermost:
-since the later of its start and the end of its last child span. A ``step`` that is long because its
-``checkpoint`` is long (and within the checkpoint's own threshold) is not a stall, neither while the
-checkpoint runs nor in the moment between the checkpoint's end and the step's.
+Only the innermost open span of each thread is judged: a ``step`` that is long because its
+``checkpoint`` is long (and within the checkpoint's own threshold) is not a stall. And a span is
+judged only once it has been the innermost for ``stall_min_s`` (the least threshold of any span), since
+the later of its start and the end of its last child span: in the moment between a long checkpoint's
+end and its step's end, the step is innermost and long open, and it is no stall either. A thread
+stuck in a parent's own code (between two steps, in ``train``) is still named ``stall_min_s`` after
+its last child ended.
 
 Costs on the hot path: one deque append of the span at its end; the thread counts those spans
 into a per-name duration sketch (:class:`DurationSketch`, O(1) per span). It reads the processor's
@@ -309,18 +312,19 @@ class Watchdog:
         for span_id, name, start_ns, tid in innermost.values():
             inner_s = (now_ns - since[span_id]) / 1e9
             if inner_s < self._stall_min_s:
-                continue  # below any threshold: no quantile needed
+                continue  # innermost for less than any threshold: just started, or its child just ended
+            open_s = (now_ns - start_ns) / 1e9
             stall = self._stalls.get(span_id)
             if stall is None or since[span_id] > stall.since_ns:  # new, or a child ended since: judged afresh
                 count, p99 = self.sketch.quantile(name, 0.99)
                 threshold = stall_threshold(count, p99, self._stall_min_s, self._stall_factor)
                 stall = self._stalls[span_id] = _Stall(threshold, since[span_id])
-            if stall.written >= MAX_STALLS_PER_SPAN or inner_s < stall.threshold_s * (2 ** stall.written):
+            if stall.written >= MAX_STALLS_PER_SPAN or open_s < stall.threshold_s * (2 ** stall.written):
                 continue
             stall.written += 1
             self._sink.instant_for(S.INSTANT_STALL, {
                 "span": name,
-                "open_s": round((now_ns - start_ns) / 1e9, 3),
+                "open_s": round(open_s, 3),
                 "innermost_s": round(inner_s, 3),
                 "threshold_s": round(stall.threshold_s, 3),
                 "tid": tid,

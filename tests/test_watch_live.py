@@ -191,10 +191,11 @@ def test_legitimately_slow_checkpoint_is_no_hang(tmp_path: Path) -> None:
     assert [(e["finding"]["kind"], e["finding"]["rank"]) for e in g.poll_at(0.2 + UNNAMED_HOLD_S)] == [("hang", None)]
 
 
-def test_a_step_after_its_long_checkpoint_is_timed_from_the_checkpoints_end(tmp_path: Path) -> None:
-    """The watchdog's rule: a span is judged for the time it has been innermost. A step whose 8 s
-    checkpoint has just ended has been open 8 s, past its own threshold and grace (2 s + 2 s), but
-    innermost for 0.1 s: running. Stuck in the step's own code for longer than that, it is stalled."""
+def test_a_step_after_its_long_checkpoint_is_stalled_once_innermost_for_stall_min_s(tmp_path: Path) -> None:
+    """The watchdog's rule: a span open past its threshold is stalled once it has also been the
+    innermost for stall_min_s (2 s here). A step whose 8 s checkpoint ended 1.5 s ago has been open
+    9.5 s, past its threshold and the grace for its watchdog's record (2 s + 2 s), but is running; 2.5 s
+    after the checkpoint, still in the step's own code, it is stalled."""
     procs = _pair()
     g = Growing(tmp_path, procs)
     for p in procs:
@@ -205,35 +206,39 @@ def test_a_step_after_its_long_checkpoint_is_timed_from_the_checkpoints_end(tmp_
             p.advance(1000)
             p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step", CHECKPOINT]}])
         p.end()  # the checkpoint; the step goes on
-    assert g.poll_at(0.1) == []
+        p.advance(1500)
+        p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step"]}])
+    assert g.poll_at(0.0) == []
     assert [lp.status(g.now) for lp in g.live.procs.values()] == ["running", "running"]
-    for _ in range(5):  # then nothing but heartbeats: no span closes
-        for p in procs:
-            p.advance(1000)
-            p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step"]}])
-    g.poll_at(0.1)
+    for p in procs:
+        p.advance(1000)
+        p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step"]}])
+    g.poll_at(0.0)
     assert [lp.status(g.now) for lp in g.live.procs.values()] == ["stalled", "stalled"]
 
 
 def test_a_stall_record_from_before_a_child_ran_is_over(tmp_path: Path) -> None:
     """A step its watchdog called stalled, which then ran a checkpoint to its end, moved on: its old
-    stall record no longer makes it stalled. 2.5 s after the checkpoint it is past stall_min_s (2 s),
-    within its threshold and the grace for its watchdog's record (2 s + 2 s): running."""
-    procs = _pair()
+    stall record is not the new stall's. 1.2 s after the checkpoint (stall_min_s 1 s, threshold 1 s),
+    open 2.4 s, within the 2 s grace for its watchdog's new record: still running, waiting for it."""
+    procs = [Proc(rank=r, world_size=2, host="node0") for r in range(2)]
+    for p in procs:
+        _settings(p, stall_min_s=1.0)
+        p.steps(range(8))
     g = Growing(tmp_path, procs)
     for p in procs:
         p.set_step(8)
         p.start("step")
-        p.advance(2100)
-        _stall(p, "step", 2.1)
+        p.advance(1100)
+        _stall(p, "step", 1.1)
         p.start(CHECKPOINT)
         p.advance(100)
         p.end()
-        for _ in range(5):
-            p.advance(500)
-            p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step"]}])
+        p.advance(1200)
+        p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step"]}])
     assert g.poll_at(0.0) == []
     assert [lp.status(g.now) for lp in g.live.procs.values()] == ["running", "running"]
+    assert all(lp.awaiting_stall_record(g.now) for lp in g.live.procs.values())
 
 
 def test_process_gone_from_this_host_is_a_crash_at_once(tmp_path: Path) -> None:

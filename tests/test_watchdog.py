@@ -122,11 +122,12 @@ def test_only_the_innermost_span_of_a_thread_is_judged(tmp_path: Path) -> None:
     assert _named(_records(tmp_path), schema.INSTANT_STALL) == []
 
 
-def test_a_parent_is_judged_from_its_last_childs_end(tmp_path: Path) -> None:
-    """The moment between a long child's end and its parent's end: the parent is innermost then, but
-    only since the child ended. A look there once named a healthy step a stall (open 0.5 s against its
-    0.2 s threshold) in a loaded test run. A thread that then stays in the parent's own code is still a
-    stall, timed from the child's end. The looks are made by hand, at those two moments."""
+def test_a_parent_is_judged_once_innermost_for_stall_min_s(tmp_path: Path) -> None:
+    """The moment between a long child's end and its parent's end: the parent is innermost then, open
+    longer than its threshold. A look there once named a healthy step a stall (open 0.5 s against its
+    0.2 s threshold) in a loaded test run. Now a span is judged only once it has also been the innermost
+    for stall_min_s, since its last child ended; a thread that then stays in the parent's own code is
+    a stall. The looks are made by hand, at those two moments."""
     from otel_train import runtime
 
     ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0, stall_min_s=0.2, stall_factor=10)
@@ -141,13 +142,35 @@ def test_a_parent_is_judged_from_its_last_childs_end(tmp_path: Path) -> None:
         written = runtime._active.jsonl.records_written  # type: ignore[union-attr]
         dog.check()  # the step: open 0.5 s, innermost for a moment
         assert runtime._active.jsonl.records_written == written  # type: ignore[union-attr]  # no stall
-        time.sleep(0.3)  # now in the step's own code, past its threshold
+        time.sleep(0.3)  # now in the step's own code, past stall_min_s
         dog.check()
     ot.shutdown()
     (stall,) = _named(_records(tmp_path), schema.INSTANT_STALL)
     attrs = stall["attrs"]
     assert attrs["span"] == "step" and attrs["threshold_s"] == 0.2 and attrs["innermost_s"] >= 0.3
-    assert attrs["open_s"] - attrs["innermost_s"] >= 0.5 - 0.002  # the checkpoint's time is not counted
+    assert attrs["open_s"] - attrs["innermost_s"] >= 0.5 - 0.002  # since the checkpoint's end
+
+
+def test_a_thread_stuck_between_steps_is_a_stall_stall_min_s_after_its_last_step(tmp_path: Path) -> None:
+    """A rank stuck in untraced code between two steps is inside ``train`` alone, which never closed
+    (no history: threshold 0.1 s x 10 = 1 s) and has been open longer than that. It is named once it has
+    been the innermost for stall_min_s (0.1 s), not only after its own 1 s threshold counted from the
+    last step's end."""
+    from otel_train import runtime
+
+    ot.init(save_path=tmp_path, enabled=True, heartbeat_s=0, stall_min_s=0.1, stall_factor=10)
+    dog = runtime._active.watchdog  # type: ignore[union-attr]
+    dog.stop()
+    with ot.log_trace_span("train"):
+        with ot.log_trace_span("step"):
+            time.sleep(1.0)  # train is open past its 1 s threshold now
+        time.sleep(0.15)  # stuck between steps, past stall_min_s
+        dog.check()
+    ot.shutdown()
+    (stall,) = _named(_records(tmp_path), schema.INSTANT_STALL)
+    attrs = stall["attrs"]
+    assert attrs["span"] == "train" and attrs["threshold_s"] == 1.0
+    assert attrs["innermost_s"] >= 0.15 and attrs["open_s"] - attrs["innermost_s"] >= 1.0 - 0.002  # since the step
 
 
 class FakeSink:

@@ -277,8 +277,8 @@ class LiveProcess:
         return max(inner.start_ts, self._child_ends.get(inner.span_id, 0.0))
 
     def stalled(self, now: float) -> bool:
-        """Whether its innermost open span is past that name's stall threshold in this process, counted
-        from when it became innermost (:meth:`innermost_since`).
+        """Whether its innermost open span is past that name's stall threshold in this process, and has
+        been the innermost for ``stall_min_s`` (:meth:`innermost_since`; the watchdog's rule).
 
         A process whose watchdog still writes has the say (its ``stall`` record carries the stacks);
         the same rule computed here decides for one that is silent or runs without a watchdog, and
@@ -287,13 +287,12 @@ class LiveProcess:
         inner = self.state.innermost
         if inner is None or inner.status != STATUS_OPEN:
             return False
-        since = self.innermost_since(inner)
-        open_s = self.clock(now) - since
-        if open_s < self.thresholds.stall_min_s:
+        since, clock = self.innermost_since(inner), self.clock(now)
+        if clock - since < self.thresholds.stall_min_s:
             return False
         if self._stall_record(inner, since):
             return True
-        return open_s >= self._threshold(inner.name) + (STALL_RECORD_GRACE_S if self._watched() else 0.0)
+        return clock - inner.start_ts >= self._threshold(inner.name) + (STALL_RECORD_GRACE_S if self._watched() else 0.0)
 
     def awaiting_stall_record(self, now: float) -> bool:
         """Whether its watchdog should write the ``stall`` record (and stacks) of its innermost span soon."""
@@ -301,8 +300,8 @@ class LiveProcess:
         if inner is None or inner.status != STATUS_OPEN or not self._watched():
             return False
         since = self.innermost_since(inner)
-        return not self._stall_record(inner, since) and \
-            self.clock(now) - since < self._threshold(inner.name) + STALL_RECORD_GRACE_S
+        due = max(inner.start_ts + self._threshold(inner.name), since + self.thresholds.stall_min_s)
+        return not self._stall_record(inner, since) and self.clock(now) < due + STALL_RECORD_GRACE_S
 
     def _stall_record(self, inner: OpenSpan, since: float) -> bool:
         # Its watchdog's stall record since it became innermost: one from before a child ran is over.
