@@ -170,16 +170,22 @@ def test_live_hang_after_the_threshold_names_the_culprit_then_resolves(tmp_path:
     assert "culprit" not in [row["state"] for row in g.live.rows(g.now)]
 
 
+def _in_a_checkpoint(p: Proc, seconds: int) -> None:
+    """Step 8 begins and ``p`` stays ``seconds`` in its checkpoint, with the watchdog's heartbeats (quiet,
+    not silent). No history yet: the checkpoint's threshold is stall_min_s × stall_factor = 10 s."""
+    p.set_step(8)
+    p.start("step")
+    p.start(CHECKPOINT)
+    for _ in range(seconds):
+        p.advance(1000)
+        p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step", CHECKPOINT]}])
+
+
 def test_legitimately_slow_checkpoint_is_no_hang(tmp_path: Path) -> None:
     procs = _pair()
     g = Growing(tmp_path, procs)
     for p in procs:
-        p.set_step(8)
-        p.start("step")
-        p.start(CHECKPOINT)  # no history yet: threshold stall_min_s × stall_factor = 10 s
-        for _ in range(8):  # the watchdog's heartbeats: quiet, not silent
-            p.advance(1000)
-            p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step", CHECKPOINT]}])
+        _in_a_checkpoint(p, 8)
     assert g.poll_at(0.0) == []
     assert [lp.status(g.now) for lp in g.live.procs.values()] == ["running", "running"]
     # Past the checkpoint's own threshold (their watchdogs say so) it is a hang after all: both ranks
@@ -199,12 +205,7 @@ def test_a_step_after_its_long_checkpoint_is_stalled_once_innermost_for_stall_mi
     procs = _pair()
     g = Growing(tmp_path, procs)
     for p in procs:
-        p.set_step(8)
-        p.start("step")
-        p.start(CHECKPOINT)  # no history yet: threshold stall_min_s × stall_factor = 10 s
-        for _ in range(8):
-            p.advance(1000)
-            p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step", CHECKPOINT]}])
+        _in_a_checkpoint(p, 8)
         p.end()  # the checkpoint; the step goes on
         p.advance(1500)
         p.instant(schema.INSTANT_HEARTBEAT, open=[{"tid": 1, "spans": ["step"]}])
