@@ -753,11 +753,14 @@ def _restore_sigterm_in_child() -> None:
 
 
 def _mid_record() -> bool:
-    """Whether this thread holds the runtime's lock or the JSONL processor's (a record in progress)."""
+    """Whether this thread holds the runtime's lock, the JSONL processor's (a record in progress) or an
+    export processor's (a span being queued: shutdown would end the open spans through it again)."""
     if _lock._is_owned():  # type: ignore[attr-defined]
         return True
     rt = _active
-    return rt is not None and rt.jsonl is not None and rt.jsonl.holds_lock()
+    if rt is None:
+        return False
+    return (rt.jsonl is not None and rt.jsonl.holds_lock()) or any(p.holds_lock() for p in rt.batch_processors)
 
 
 def _after_fork_in_child() -> None:

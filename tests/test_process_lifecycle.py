@@ -159,6 +159,43 @@ def test_sigterm_ends_open_spans_incomplete_and_dies_of_sigterm(
     assert "Traceback" not in err
 
 
+def test_sigterm_inside_an_export_processor_waits_until_it_is_out(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    """A SIGTERM that lands while the main thread queues a span for an exporter (inside the batch
+    processor's lock) is handled once it is out. Shutting down there ended the open spans through that
+    processor again, from inside it: with its lock not reentrant, the process hung in shutdown (a kill
+    trial of the fault suite, caught with py-spy). The lock is held here by hand, as ``on_end`` holds it."""
+    code = """
+    import os, signal, time
+    import otel_train as ot
+    from otel_train import runtime
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class Null(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    ot.init(handlers=[Null])
+    (batch,) = runtime._active.batch_processors
+    with ot.training_step(1):
+        with ot.log_trace_span("forward"):
+            with batch._lock:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the handler runs in here, and must leave shutdown for later
+            print("out", flush=True)
+            time.sleep(30)
+    """
+    child = spawn(code, traced_env())
+    out, err = finish(child)
+    assert child.returncode == -signal.SIGTERM, err
+    assert out == "out\n" and "Traceback" not in err
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    assert [r[S.EVENT] for r in records] == [
+        "process_start", "step_start", "forward_start", "forward_end", "step_end", "process_end"]
+    assert records[3][S.STATUS] == records[4][S.STATUS] == S.STATUS_INCOMPLETE
+
+
 def test_sigterm_chains_a_handler_installed_before_init(
         tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
     handler = """

@@ -122,13 +122,13 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         # the worker thread; it is not the process whose spans these are (the parent exports them),
         # and otel-train traces nothing in a child until it calls init(), which builds its own
         # processors. So no thread starts here: the child's copy is shut down, holding nothing.
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._queue = deque()
         self._flush_waiters = []
         self._is_shutdown = True
 
     def _start_worker(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._queue: deque[ReadableSpan] = deque()
         self._wake = threading.Event()
         self._stopping = False
@@ -139,6 +139,13 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._worker.start()
 
     # -- caller side -----------------------------------------------------------------------------
+
+    def holds_lock(self) -> bool:
+        """Whether the calling thread is inside this processor's lock. A SIGTERM handler asks: shutting
+        down there would end the open spans through :meth:`on_end` again, from inside it (the lock is
+        reentrant, so that would not deadlock, but the interrupted append would not be whole)."""
+        is_owned = getattr(self._lock, "_is_owned", None)
+        return bool(is_owned()) if is_owned is not None else False
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         """Nothing to do: only ended spans are exported."""
