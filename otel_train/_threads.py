@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 QUIET = frozenset({signal.SIGTERM, signal.SIGINT})
 """The signals our threads never take: the ones the runtime or Python handle in the main thread."""
@@ -37,3 +38,10 @@ def start_quiet(thread: threading.Thread) -> threading.Thread:
     finally:
         mask(signal.SIG_SETMASK, old)
     return thread
+
+
+def held_here(lock: Any) -> bool:
+    """Whether the calling thread holds ``lock`` (an ``RLock``; False for a lock that cannot say). A
+    SIGTERM handler asks, before it shuts down on the thread it interrupted (``otel_train.runtime``)."""
+    is_owned = getattr(lock, "_is_owned", None)
+    return bool(is_owned()) if is_owned is not None else False

@@ -16,6 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_train import _report
+from otel_train._threads import held_here
 from otel_train._clock import now_ns as time_ns  # the runtime's one clock (docs/clock.md)
 from otel_train import context as step_context
 from otel_train import schema as S
@@ -101,8 +102,7 @@ class JsonlSpanProcessor(SpanProcessor):
 
     def holds_lock(self) -> bool:
         """Whether the calling thread is in the middle of writing a record (a signal handler asks)."""
-        is_owned = getattr(self._lock, "_is_owned", None)
-        return bool(is_owned()) if is_owned is not None else False
+        return held_here(self._lock)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         try:

@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import Sampler
 
 from otel_train import _report
+from otel_train._threads import held_here
 from otel_train.errors import ConfigError
 
 # The SDK's BatchSpanProcessor defaults, so OTEL_BSP_* means the same thing here.
@@ -144,8 +145,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         """Whether the calling thread is inside this processor's lock. A SIGTERM handler asks: shutting
         down there would end the open spans through :meth:`on_end` again, from inside it (the lock is
         reentrant, so that would not deadlock, but the interrupted append would not be whole)."""
-        is_owned = getattr(self._lock, "_is_owned", None)
-        return bool(is_owned()) if is_owned is not None else False
+        return held_here(self._lock)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         """Nothing to do: only ended spans are exported."""
