@@ -42,6 +42,6 @@ def start_quiet(thread: threading.Thread) -> threading.Thread:
 
 def held_here(lock: Any) -> bool:
     """Whether the calling thread holds ``lock`` (an ``RLock``; False for a lock that cannot say). A
-    SIGTERM handler asks, before it shuts down on the thread it interrupted (``otel_train.runtime``)."""
+    SIGTERM handler asks, before it wakes the shutdown thread (``otel_train.sigterm``)."""
     is_owned = getattr(lock, "_is_owned", None)
     return bool(is_owned()) if is_owned is not None else False

@@ -48,14 +48,14 @@ from otel_train.resource import RunContext, build_resource, detect_run_context
 from otel_train.spans import CleanTracer, LeanTracer
 from otel_train.digest import DigestWriter
 from otel_train.watchdog import Watchdog
+from otel_train import sigterm
 
 SIGTERM_SHUTDOWN_TIMEOUT_S = 3.0
 SHUTDOWN_FILE_FLOOR_S = 1.0  # what shutdown leaves the trace file's last records after the exporters, at least
-SIGTERM_RETRY_S = 0.005
-SIGTERM_MAX_RESENDS = 600  # a deferred SIGTERM is sent again every SIGTERM_RETRY_S until the handler runs: 3 s at most
+SIGTERM_HANDLER_WAIT_S = SIGTERM_SHUTDOWN_TIMEOUT_S + SHUTDOWN_FILE_FLOOR_S + 1.0
+"""How long the SIGTERM handler waits for the shutdown thread before it lets the interrupted code go on
+(otel_train/sigterm.py): longer than any shutdown that needs nothing of that code."""
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-SIGTERM_MAX_DEFERRALS = 200  # about a second; a record is never that long now (a hung mount holds the writer
-# thread, not the caller: docs/runtime.md, "A trace file that stops answering"), but nothing waits longer
 
 
 class StepTraceIdGenerator(IdGenerator):
@@ -586,59 +586,16 @@ def _shutdown_at_multiprocessing_exit() -> None:
 
 
 def _chain_sigterm() -> None:
-    global _sigterm_previous
+    global _sigterm_handler, _sigterm_previous
     previous = signal.getsignal(signal.SIGTERM)
-    deferred = calls = 0
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        nonlocal deferred, calls
-        calls += 1
-        if _mid_record() and deferred < SIGTERM_MAX_DEFERRALS:
-            # The signal interrupted this thread in the middle of a record (or of init/shutdown):
-            # shutting down now would write later records and die before that one is whole, leaving
-            # a seq gap. Let it finish and take the signal again a moment later.
-            deferred += 1
-            _resend_until_handled(signum, lambda: calls, calls)
-            return
-        _shutdown_on_signal()
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:
-            # Die of SIGTERM as we would have without us, so launchers see the same exit status.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
+    handler = sigterm.MainThreadHandler(previous, _shutdown_on_signal, _mid_record, SIGTERM_HANDLER_WAIT_S)
     try:
-        signal.signal(signal.SIGTERM, on_sigterm)
-        _sigterm_previous = previous
+        signal.signal(signal.SIGTERM, handler)
     except (ValueError, OSError):  # not the main thread of the main interpreter
-        pass
-
-
-def _resend_until_handled(signum: int, calls: Callable[[], int], seen: int) -> None:
-    """Send ``signum`` to the main thread every ``SIGTERM_RETRY_S`` until its handler has run again
-    (``calls()`` past ``seen``), ``SIGTERM_MAX_RESENDS`` times at most.
-
-    Once is not enough. CPython runs a Python handler only when the main thread reaches a bytecode or a
-    blocking call returns EINTR; a signal that lands just before the main thread blocks (between its
-    last check and the futex of a semaphore) marks the handler due and wakes nothing, so it waits for
-    the next signal (a multiprocessing worker whose SIGTERM, deferred during ``init``, was then never
-    acted on lived on, and its pool's ``join`` with it; workers now keep the default action:
-    :func:`_multiprocessing_child`). Sent to the main thread, never to the process: a thread that took
-    it would wake nothing either (``otel_train/_threads.py``)."""
-    main = threading.main_thread().ident
-
-    def resend() -> None:
-        for _ in range(SIGTERM_MAX_RESENDS):
-            time.sleep(SIGTERM_RETRY_S)
-            if calls() > seen or main is None:
-                return
-            try:
-                signal.pthread_kill(main, signum)
-            except (OSError, ValueError):  # the main thread is gone: the process is ending
-                return
-
-    start_quiet(threading.Thread(target=resend, name="otel_train.sigterm_resend", daemon=True))
+        handler.close()
+        return
+    handler.start()
+    _sigterm_handler, _sigterm_previous = handler, previous
 
 
 def _shutdown_on_signal() -> None:
@@ -654,44 +611,36 @@ def _watch_sigterm() -> None:
     """SIGTERM handling when ``init`` runs off the main thread, where Python refuses ``signal.signal``.
 
     While SIGTERM has its default action, ``faulthandler`` (whose C handler any thread may install)
-    takes it: on a SIGTERM it writes the threads' stacks into a pipe and returns, so the process lives
-    on; a watcher thread wakes on that write, shuts down (process_end, ``signal``), puts the default
-    action back and sends itself SIGTERM: the process dies of it as it would have without us. A handler
-    the main thread already set is left alone (it exits, as a rule, and exit runs shutdown). When none
-    of this can be set up, one line says so at init.
+    takes it: on a SIGTERM it writes the threads' stacks into the shutdown thread's pipe and returns, so
+    the process lives on; that thread shuts down (process_end, ``signal``), puts the default action back
+    and sends itself SIGTERM: the process dies of it as it would have without us. A handler the main
+    thread already set is left alone (it exits, as a rule, and exit runs shutdown). When none of this
+    can be set up, one line says so at init.
     """
     global _sigterm_watch
     previous = signal.getsignal(signal.SIGTERM)
     if previous != signal.SIG_DFL:
         return
     where = threading.current_thread().name
+    watch = None
     try:
         import faulthandler
 
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)  # a signal handler must never block on a full pipe
-        faulthandler.register(signal.SIGTERM, file=write_fd, all_threads=False, chain=False)
+        watch = sigterm.ShutdownThread(_shutdown_on_signal, _die_of_sigterm, raw=True)
+        faulthandler.register(signal.SIGTERM, file=watch.wake_w, all_threads=False, chain=False)
     except (ImportError, OSError, RuntimeError, ValueError) as exc:
+        if watch is not None:
+            watch.close()
         _report.report("sigterm off the main thread",
                        f"otel_train.init() ran in thread {where!r}, not the main thread, and no SIGTERM watcher could "
                        f"be set up ({_report.safe_str(exc)}): a SIGTERM will end this process without process_end. "
                        "Call init() from the main thread")
         return
-    watcher = threading.Thread(target=_sigterm_watcher, args=(read_fd,), name="otel_train.sigterm", daemon=True)
-    _sigterm_watch = (read_fd, write_fd)
-    start_quiet(watcher)
+    _sigterm_watch = watch
+    watch.start()
 
 
-def _sigterm_watcher(read_fd: int) -> None:
-    # Started with SIGTERM blocked (start_quiet), so faulthandler's handler never runs on the thread that
-    # drains its pipe.
-    try:
-        got = os.read(read_fd, 1 << 16)
-    except OSError:
-        return
-    if not got or _sigterm_watch is None or _sigterm_watch[0] != read_fd:
-        return  # closed in a fork child, or no longer ours
-    _shutdown_on_signal()
+def _die_of_sigterm() -> None:
     import faulthandler
 
     faulthandler.unregister(signal.SIGTERM)  # the default action again: die of SIGTERM, as without us
@@ -707,11 +656,7 @@ def _unwatch_sigterm_in_child() -> None:
     import faulthandler
 
     faulthandler.unregister(signal.SIGTERM)
-    for fd in watch:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    watch.close()
 
 
 # A SIGTERM that reaches a fork child before CPython's own after-fork code runs is lost: that code
@@ -722,7 +667,8 @@ def _unwatch_sigterm_in_child() -> None:
 # that arrived meanwhile acts as it would have without otel-train.
 _NOT_CHAINED: Any = object()
 _sigterm_previous: Any = _NOT_CHAINED
-_sigterm_watch: tuple[int, int] | None = None  # (read, write) ends of the off-main-thread watcher's pipe
+_sigterm_handler: sigterm.MainThreadHandler | None = None  # the main thread's handler, once installed
+_sigterm_watch: sigterm.ShutdownThread | None = None  # the off-main-thread watcher (faulthandler feeds it)
 _end_signal: str | None = None  # set while shutdown runs for a signal
 _fork_mask = threading.local()
 
@@ -740,8 +686,12 @@ def _after_fork_in_parent() -> None:
 
 
 def _restore_sigterm_in_child() -> None:
-    global _sigterm_previous
+    global _sigterm_previous, _sigterm_handler
     _unwatch_sigterm_in_child()
+    if _sigterm_handler is not None:
+        # Its thread is not in this process: its pipes go. Where the previous handler cannot be put back
+        # (one installed from C), it stays, and shuts down in place, as before there was a thread.
+        _sigterm_handler.close()
     if _sigterm_previous is not _NOT_CHAINED:
         try:
             signal.signal(signal.SIGTERM, _sigterm_previous)
@@ -749,12 +699,14 @@ def _restore_sigterm_in_child() -> None:
             pass
         else:
             _sigterm_previous = _NOT_CHAINED
+            _sigterm_handler = None  # a later init in this child installs a handler of its own
     _after_fork_in_parent()  # the same mask restore, now in the child
 
 
 def _mid_record() -> bool:
     """Whether this thread holds the runtime's lock, the JSONL processor's (a record in progress) or an
-    export processor's (a span being queued: shutdown would end the open spans through it again)."""
+    export processor's (a span being queued). The shutdown thread needs each of them, so a SIGTERM that
+    lands there is taken again 5 ms later rather than waited out (otel_train/sigterm.py)."""
     if _lock._is_owned():  # type: ignore[attr-defined]
         return True
     rt = _active

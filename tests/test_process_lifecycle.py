@@ -17,6 +17,7 @@ from typing import Callable
 import pytest
 
 from otel_train import schema as S
+from otel_train.runtime import SIGTERM_HANDLER_WAIT_S
 
 from conftest import ReadRecords, trace_segments
 
@@ -196,6 +197,137 @@ def test_sigterm_inside_an_export_processor_waits_until_it_is_out(
     assert records[3][S.STATUS] == records[4][S.STATUS] == S.STATUS_INCOMPLETE
 
 
+@pytest.mark.parametrize("held", ["span._attributes._lock", "batch._wake._cond"])
+def test_sigterm_while_the_main_thread_holds_a_lock_shutdown_needs_does_not_hang(
+        held: str, tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    """A SIGTERM that lands while the main thread holds a lock no check of ours knows of, and the
+    shutdown needs: an SDK span's attribute lock (taken in ``set_attribute``, by the step-context
+    processor at every span start) or an export processor's wake ``Event`` (taken in ``set``, when a span
+    fills a batch). The
+    handler used to shut down right there, on that thread, and waited for the lock for ever (the kill
+    trials under load: about 2 in 1,000). The shutdown thread waits for it instead; the handler, having
+    waited ``SIGTERM_HANDLER_WAIT_S``, lets the main thread go on and let go of it, and the process then
+    dies of SIGTERM with its file whole. The lock is held here by hand, as those calls hold it."""
+    code = f"""
+    import os, signal, time
+    import otel_train as ot
+    from otel_train import runtime
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class Null(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    ot.init(handlers=[Null])
+    (batch,) = runtime._active.batch_processors
+    batch.max_export_batch_size = 1  # every span queued wakes the export thread (Event.set)
+    with ot.training_step(1):
+        with ot.log_trace_span("forward") as span:
+            with {held}:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)  # the handler runs in here, and waits for the shutdown thread in vain
+            print("out", flush=True)
+            time.sleep(30)
+    """
+    child = spawn(code, traced_env())
+    started = time.monotonic()
+    out, err = finish(child)
+    took = time.monotonic() - started
+    assert child.returncode == -signal.SIGTERM, err
+    assert out == "out\n" and "Traceback" not in err
+    assert took < 20, took  # the handler's wait (5 s) and a shutdown, not the child's 30 s sleep
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    events = [r[S.EVENT] for r in records]
+    # The shutdown's deadline (3 s) passed while it waited: the exporter may get nothing, counted.
+    dropped = [r[S.ATTRS]["count"] for r in records if r[S.EVENT] == S.INSTANT_SPANS_DROPPED]
+    assert events == ["process_start", "step_start", "forward_start", "forward_end", "step_end",
+                      *[S.INSTANT_SPANS_DROPPED] * len(dropped), "process_end"]
+    assert records[3][S.STATUS] == records[4][S.STATUS] == S.STATUS_INCOMPLETE
+    end = records[-1][S.ATTRS]
+    assert end["signal"] == "SIGTERM" and end["spans_dropped"] == sum(dropped) <= 2
+
+
+def test_a_previous_handler_that_returns_runs_once_after_a_shutdown_that_waited(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    """The handler gave up waiting (a lock held, as above), so the shutdown thread sends SIGTERM again once
+    it is done: the handler that was there before ``init`` then runs, once, and a process it does not end
+    (Lightning's sets a flag) goes on, its trace ended."""
+    code = """
+    import os, signal, time
+    import otel_train as ot
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class Null(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    calls = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    ot.init(handlers=[Null])
+    with ot.training_step(1):
+        with ot.log_trace_span("forward") as span:
+            with span._attributes._lock:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)
+            print("out", calls, flush=True)
+            end = time.monotonic() + 20
+            while not calls and time.monotonic() < end:
+                time.sleep(0.01)
+            time.sleep(0.5)  # a second call would come within this
+            print("previous handler", calls, "tracing", ot.is_enabled(), flush=True)
+    """
+    child = spawn(code, traced_env())
+    out, err = finish(child)
+    assert child.returncode == 0, err
+    assert out == f"out []\nprevious handler [{int(signal.SIGTERM)}] tracing False\n", err
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    assert records[-1][S.EVENT] == "process_end" and records[-1][S.ATTRS]["signal"] == "SIGTERM"
+    assert [r[S.STATUS] for r in records if r[S.EVENT] in ("forward_end", "step_end")] == [S.STATUS_INCOMPLETE] * 2
+
+
+def test_a_second_sigterm_while_the_handler_waits_does_not_lengthen_its_wait(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    """A second SIGTERM ends the waiting handler's ``select`` and runs the handler inside itself (PEP 475):
+    that call waits only as long as the one it interrupted. Waiting its own 5 s, it kept the main thread
+    (and the lock it held) 3 s longer here: every further signal, 5 s more."""
+    code = """
+    import os, signal, threading, time
+    import otel_train as ot
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    class Null(SpanExporter):
+        def export(self, spans):
+            return SpanExportResult.SUCCESS
+
+    ot.init(handlers=[Null])
+    main = threading.main_thread().ident
+
+    def second():
+        time.sleep(3.0)
+        signal.pthread_kill(main, signal.SIGTERM)
+
+    with ot.training_step(1):
+        with ot.log_trace_span("forward") as span:
+            with span._attributes._lock:
+                start = time.monotonic()
+                threading.Thread(target=second, daemon=True).start()
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)
+            print(f"held {time.monotonic() - start:.2f}", flush=True)
+            time.sleep(30)
+    """
+    child = spawn(code, traced_env())
+    out, err = finish(child)
+    assert child.returncode == -signal.SIGTERM, err
+    held = float(out.split()[1])
+    assert SIGTERM_HANDLER_WAIT_S <= held < SIGTERM_HANDLER_WAIT_S + 3.0, out  # the second's own wait: >= 8 s
+    records = read_records(tmp_path)
+    assert_gapless(records)
+    assert records[-1][S.EVENT] == "process_end" and records[-1][S.ATTRS]["signal"] == "SIGTERM"
+
+
 def test_sigterm_chains_a_handler_installed_before_init(
         tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
     handler = """
@@ -366,7 +498,8 @@ def test_the_runtimes_threads_never_take_the_processs_signals(
     assert proc.returncode == 0, proc.stderr
     masks = dict(line.split() for line in proc.stdout.splitlines())
     ours = {name: mask for name, mask in masks.items() if name.startswith(("otel_train", "otel-train"))}
-    assert {"otel_train.writer", "otel_train.file_check", "otel-train-watchdog"} <= set(ours), masks
+    expected = {"otel_train.writer", "otel_train.file_check", "otel-train-watchdog", "otel_train.sigterm"}
+    assert expected <= set(ours), masks
     assert all(_blocked(m, signal.SIGTERM) and _blocked(m, signal.SIGINT) for m in ours.values()), ours
     assert not _blocked(masks["MainThread"], signal.SIGTERM), masks
 

@@ -68,7 +68,7 @@ class JsonlSpanProcessor(SpanProcessor):
         self._encoder = encoder
         self._caller = caller
         self._handlers = tuple(record_handlers)
-        # Reentrant: shutdown may run from a SIGTERM handler that interrupted a write on this thread.
+        # Reentrant, so a thread can say whether it holds it (holds_lock: the SIGTERM handler asks).
         # Everything that assigns a seq or changes the open-span table happens under it, so a record
         # is either wholly written or not begun, and shutdown sees a consistent table.
         self._lock = threading.RLock()
@@ -286,9 +286,9 @@ class JsonlSpanProcessor(SpanProcessor):
     def _end_incomplete(self, span: Any) -> None:
         if span._end_time is not None:
             return  # ending on another thread right now, its on_end waiting for our lock: see above
-        # An SDK span takes its own (non-reentrant) lock in set_attribute and end(): if this thread
-        # was interrupted inside it, taking it again would deadlock, so such a span is left to the
-        # fallback above. Other threads release it within microseconds.
+        # An SDK span takes its own lock in set_attribute and end(). Other threads release it within
+        # microseconds, but the main thread a SIGTERM interrupted inside it holds it while its handler
+        # waits for this shutdown (otel_train/sigterm.py): such a span is left to the fallback above.
         span_lock = getattr(span, "_lock", None)
         if span_lock is not None:
             if not span_lock.acquire(timeout=0.1):

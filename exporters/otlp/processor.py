@@ -142,9 +142,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
     # -- caller side -----------------------------------------------------------------------------
 
     def holds_lock(self) -> bool:
-        """Whether the calling thread is inside this processor's lock. A SIGTERM handler asks: shutting
-        down there would end the open spans through :meth:`on_end` again, from inside it (the lock is
-        reentrant, so that would not deadlock, but the interrupted append would not be whole)."""
+        """Whether the calling thread is inside this processor's lock. A SIGTERM handler asks: the
+        shutdown thread ends the open spans through :meth:`on_end`, which waits for it."""
         return held_here(self._lock)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:

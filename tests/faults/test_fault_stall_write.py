@@ -25,7 +25,8 @@ from faultlib import reported
 
 from otel_train import schema as S
 from otel_train.exporters.jsonl.writer import BATCH_LINES
-from otel_train.runtime import SIGTERM_MAX_DEFERRALS, SIGTERM_RETRY_S, SIGTERM_SHUTDOWN_TIMEOUT_S
+from otel_train.runtime import SHUTDOWN_FILE_FLOOR_S, SIGTERM_SHUTDOWN_TIMEOUT_S
+from otel_train.sigterm import MAX_DEFERRALS, RETRY_S
 
 CHILD = textwrap.dedent(r"""
     import os, sys, time
@@ -60,8 +61,9 @@ CHILD = textwrap.dedent(r"""
         step += 1
 """)
 
-DEADLINE_S = SIGTERM_SHUTDOWN_TIMEOUT_S + SIGTERM_MAX_DEFERRALS * SIGTERM_RETRY_S
-"""What SIGTERM may take: the shutdown's own bound plus the handler's deferrals (docs/runtime.md)."""
+DEADLINE_S = SIGTERM_SHUTDOWN_TIMEOUT_S + SHUTDOWN_FILE_FLOOR_S + MAX_DEFERRALS * RETRY_S
+"""What SIGTERM may take: the shutdown's own bound (its file floor included) plus the handler's
+deferrals (docs/runtime.md)."""
 STEP_BOUND_S = 2.0
 """No step may take longer than this once the trace file stalls: a liveness bound (the design's is 0.1 s,
 measured figures in docs/reliability.md), generous for a loaded 2-core machine."""
