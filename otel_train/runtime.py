@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -33,7 +33,6 @@ from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanCon
 from otel_train import _modes, _report, api
 from otel_train import context as step_context
 from otel_train import schema as S
-from otel_train._threads import start_quiet
 from otel_train._version import __version__
 from otel_train.config import Settings, resolve_settings
 from otel_train.errors import ConfigError
