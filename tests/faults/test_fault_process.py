@@ -25,13 +25,18 @@ from otel_train import schema as S
 
 UMASK_CHILD = textwrap.dedent(
     """
-    import os, sys
+    import glob, os, sys, time
     os.umask(0)
     import otel_train as ot
     ot.init(save_path=sys.argv[1], enabled=True, digest_s=0.05, max_file_size_mb=0.01, backup_count=2)
     for step in range(200):
         with ot.training_step(step), ot.log_trace_span("forward", pad="x" * 100):
             pass
+    # A digest to check the mode of: the watchdog writes one every 0.05 s once the writer thread has
+    # caught up, which a loaded machine can delay past shutdown's deadline (then none is written).
+    end = time.monotonic() + 60
+    while not glob.glob(os.path.join(sys.argv[1], "digests", "*.digest.json")) and time.monotonic() < end:
+        time.sleep(0.05)
     ot.shutdown(timeout_s=2.0)
     from otel_train.analysis.export import export
     export(sys.argv[1], "chrome")
