@@ -92,6 +92,18 @@ with ot.training_step(7, epoch=1):
 """
 
 
+SDK_CHILD = """
+import os, signal, threading, time
+import otel_train as ot
+from otel_train import runtime
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+class Null(SpanExporter):  # ot.init(handlers=[Null]): the SDK path and an export processor, no network
+    def export(self, spans):
+        return SpanExportResult.SUCCESS
+"""
+
+
 def test_sigkill_inside_open_spans_leaves_their_start_records(
         tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
     child = spawn(OPEN_NEST.format(before_init=""), traced_env())
@@ -166,16 +178,7 @@ def test_sigterm_inside_an_export_processor_waits_until_it_is_out(
     processor's lock) is handled once it is out. Shutting down there ended the open spans through that
     processor again, from inside it: with its lock not reentrant, the process hung in shutdown (a kill
     trial of the fault suite, caught with py-spy). The lock is held here by hand, as ``on_end`` holds it."""
-    code = """
-    import os, signal, time
-    import otel_train as ot
-    from otel_train import runtime
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    class Null(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
-
+    code = SDK_CHILD + textwrap.dedent("""
     ot.init(handlers=[Null])
     (batch,) = runtime._active.batch_processors
     with ot.training_step(1):
@@ -185,7 +188,7 @@ def test_sigterm_inside_an_export_processor_waits_until_it_is_out(
                 time.sleep(0.2)  # the handler runs in here, and must leave shutdown for later
             print("out", flush=True)
             time.sleep(30)
-    """
+    """)
     child = spawn(code, traced_env())
     out, err = finish(child)
     assert child.returncode == -signal.SIGTERM, err
@@ -208,16 +211,7 @@ def test_sigterm_while_the_main_thread_holds_a_lock_shutdown_needs_does_not_hang
     trials under load: about 2 in 1,000). The shutdown thread waits for it instead; the handler, having
     waited ``SIGTERM_HANDLER_WAIT_S``, lets the main thread go on and let go of it, and the process then
     dies of SIGTERM with its file whole. The lock is held here by hand, as those calls hold it."""
-    code = f"""
-    import os, signal, time
-    import otel_train as ot
-    from otel_train import runtime
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    class Null(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
-
+    code = SDK_CHILD + textwrap.dedent(f"""
     ot.init(handlers=[Null])
     (batch,) = runtime._active.batch_processors
     batch.max_export_batch_size = 1  # every span queued wakes the export thread (Event.set)
@@ -228,7 +222,7 @@ def test_sigterm_while_the_main_thread_holds_a_lock_shutdown_needs_does_not_hang
                 time.sleep(0.2)  # the handler runs in here, and waits for the shutdown thread in vain
             print("out", flush=True)
             time.sleep(30)
-    """
+    """)
     child = spawn(code, traced_env())
     started = time.monotonic()
     out, err = finish(child)
@@ -253,15 +247,7 @@ def test_a_previous_handler_that_returns_runs_once_after_a_shutdown_that_waited(
     """The handler gave up waiting (a lock held, as above), so the shutdown thread sends SIGTERM again once
     it is done: the handler that was there before ``init`` then runs, once, and a process it does not end
     (Lightning's sets a flag) goes on, its trace ended."""
-    code = """
-    import os, signal, time
-    import otel_train as ot
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    class Null(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
-
+    code = SDK_CHILD + textwrap.dedent("""
     calls = []
     signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
     ot.init(handlers=[Null])
@@ -276,7 +262,7 @@ def test_a_previous_handler_that_returns_runs_once_after_a_shutdown_that_waited(
                 time.sleep(0.01)
             time.sleep(0.5)  # a second call would come within this
             print("previous handler", calls, "tracing", ot.is_enabled(), flush=True)
-    """
+    """)
     child = spawn(code, traced_env())
     out, err = finish(child)
     assert child.returncode == 0, err
@@ -292,15 +278,7 @@ def test_a_second_sigterm_while_the_handler_waits_does_not_lengthen_its_wait(
     """A second SIGTERM ends the waiting handler's ``select`` and runs the handler inside itself (PEP 475):
     that call waits only as long as the one it interrupted. Waiting its own 5 s, it kept the main thread
     (and the lock it held) 3 s longer here: every further signal, 5 s more."""
-    code = """
-    import os, signal, threading, time
-    import otel_train as ot
-    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-    class Null(SpanExporter):
-        def export(self, spans):
-            return SpanExportResult.SUCCESS
-
+    code = SDK_CHILD + textwrap.dedent("""
     ot.init(handlers=[Null])
     main = threading.main_thread().ident
 
@@ -317,7 +295,7 @@ def test_a_second_sigterm_while_the_handler_waits_does_not_lengthen_its_wait(
                 time.sleep(0.2)
             print(f"held {time.monotonic() - start:.2f}", flush=True)
             time.sleep(30)
-    """
+    """)
     child = spawn(code, traced_env())
     out, err = finish(child)
     assert child.returncode == -signal.SIGTERM, err
