@@ -595,6 +595,33 @@ def _chain_sigterm() -> None:
         return
     handler.start()
     _sigterm_handler, _sigterm_previous = handler, previous
+    _watch_stuck_main(handler)
+
+
+def _watch_stuck_main(handler: sigterm.MainThreadHandler) -> None:
+    """Chain ``faulthandler``'s C handler in front of CPython's, for a SIGTERM that lands while the main
+    thread is stuck in a C call (otel_train/sigterm.py, :class:`sigterm.StuckMainWatch`). Without it such
+    a SIGTERM waits for the call to return, where the process would have died at once without us."""
+    watch = sigterm.StuckMainWatch(handler, _die_of_sigterm_from_watch)
+    try:
+        import faulthandler
+
+        faulthandler.register(signal.SIGTERM, file=watch.wake_w, all_threads=False, chain=True)
+    except (ImportError, OSError, RuntimeError, ValueError) as exc:
+        watch.close()
+        _report.report("sigterm stuck main",
+                       f"faulthandler could not watch SIGTERM ({_report.safe_str(exc)}): a SIGTERM that comes while "
+                       "the main thread is inside a C call (a collective that waits for a peer) waits for that call")
+        return
+    handler.watch = watch
+    watch.start()
+
+
+def _die_of_sigterm_from_watch() -> None:
+    import faulthandler
+
+    faulthandler.unregister(signal.SIGTERM)
+    sigterm.die_of_sigterm_off_main()
 
 
 def _shutdown_on_signal() -> None:
@@ -688,8 +715,13 @@ def _restore_sigterm_in_child() -> None:
     global _sigterm_previous, _sigterm_handler
     _unwatch_sigterm_in_child()
     if _sigterm_handler is not None:
-        # Its thread is not in this process: its pipes go. Where the previous handler cannot be put back
-        # (one installed from C), it stays, and shuts down in place, as before there was a thread.
+        # Its threads are not in this process: its pipes go, and faulthandler, which writes into the
+        # parent's watch pipe, lets go of SIGTERM first. Where the previous handler cannot be put back
+        # (one installed from C), it stays, and shuts down in place, as before there were threads.
+        if _sigterm_handler.watch is not None:
+            import faulthandler
+
+            faulthandler.unregister(signal.SIGTERM)
         _sigterm_handler.close()
     if _sigterm_previous is not _NOT_CHAINED:
         try:

@@ -13,6 +13,15 @@ pipe; a handler writes a byte into it (a write takes no lock) and the thread shu
   thread has not finished within the handler's wait (it waits for a lock the interrupted code holds),
   the handler returns, that code goes on and lets go of the lock, and the thread, once done, sends
   SIGTERM to the main thread again until the handler has taken the previous action.
+- A main thread inside a C call that does not return (a collective waiting for a peer that is gone)
+  runs no Python handler at all: CPython's C handler only marks it due. Without otel-train the process
+  would have died of SIGTERM at once, so a :class:`StuckMainWatch` stands in. ``faulthandler``'s C
+  handler, chained in front of CPython's, writes the stack of the thread the signal landed on into the
+  watch's pipe; the Python handler empties that pipe whenever it runs. Bytes left there
+  :data:`STUCK_AFTER_S` later mean no handler ran: the watch asks the shutdown thread for the round the
+  handler would have asked for, waits for it as the handler would, and where the previous action is
+  the default it dies of SIGTERM itself. A previous Python handler stays due, and runs once the main
+  thread comes back.
 - Off the main thread no Python handler can be installed: ``faulthandler``'s C handler writes into the
   pipe instead (``otel_train.runtime._watch_sigterm``), and the thread itself then dies of SIGTERM.
 
@@ -35,6 +44,11 @@ RETRY_S = 0.005
 """How often a SIGTERM is sent to the main thread again until its handler has run."""
 MAX_RESENDS = 600
 """At most this many times (3 s)."""
+STUCK_AFTER_S = 0.5
+"""A SIGTERM that no Python handler has taken this long after it came finds the main thread inside a C
+call (:class:`StuckMainWatch`). A main thread that runs Python takes it within milliseconds; one wrongly
+judged stuck (a long C call that does return) costs nothing, since the watch and the handler share the
+round, and with the default action the process was to die of the signal at once anyway."""
 MAX_DEFERRALS = 200
 """A SIGTERM that lands in the middle of a record is taken again ``RETRY_S`` later, this many times at
 most (about a second; a record is never that long now: a hung mount holds the writer thread, not the
@@ -150,15 +164,19 @@ class MainThreadHandler:
         self.previous = previous
         self._shutdown = shutdown
         self._mid_record = mid_record
-        self._wait_s = wait_s
+        self.wait_s = wait_s
         self.thread = ShutdownThread(shutdown, self._after_shutdown)
         self.calls = self.deferred = 0
         self.started = self.acted = 0  # shutdown rounds asked for, and rounds whose previous action was taken
         self.waiting = 0  # handler frames waiting on the thread now
         self._deadline = 0.0  # when the outermost of them stops waiting
+        self.watch: StuckMainWatch | None = None  # set when faulthandler could be chained in front of us
+        self._claim_lock = threading.RLock()  # reentrant: a nested handler call may take it again
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.calls += 1
+        if self.watch is not None:
+            self.watch.taken_by_handler()
         if self.thread.closed:  # a fork child that could not put back its previous handler: no thread here
             self._shutdown()
             self._act(signum, frame)
@@ -172,12 +190,9 @@ class MainThreadHandler:
         if self.thread.rounds_done > self.acted:  # finished while no handler waited: the thread resent it
             self._act(signum, frame)
             return
-        if self.started == self.thread.rounds_done:
-            self.started += 1
-            self.thread.wake()
-        target = self.started
+        target = self.claim()
         if not self.waiting:  # a nested call (below) waits no longer than the call it interrupted
-            self._deadline = time.monotonic() + self._wait_s
+            self._deadline = time.monotonic() + self.wait_s
         deadline = self._deadline
         self.waiting += 1
         try:
@@ -192,6 +207,15 @@ class MainThreadHandler:
             self._act(signum, frame)
         # Otherwise a nested handler took it, or the thread waits for a lock this thread holds: this
         # thread goes on, and the thread sends SIGTERM again once it is done (_after_shutdown).
+
+    def claim(self) -> int:
+        """Ask for a shutdown round unless one is under way; the round to wait for. The handler and the
+        :class:`StuckMainWatch` both ask, on two threads: the lock makes the test and the count one step."""
+        with self._claim_lock:
+            if self.started == self.thread.rounds_done:
+                self.started += 1
+                self.thread.wake()
+            return self.started
 
     def _act(self, signum: int, frame: Any) -> None:
         self.acted = self.thread.rounds_done
@@ -216,3 +240,105 @@ class MainThreadHandler:
 
     def close(self) -> None:
         self.thread.close()
+        if self.watch is not None:
+            self.watch.close()
+
+
+class StuckMainWatch:
+    """Takes the SIGTERM that a main thread stuck in a C call cannot (see the module's docstring).
+
+    ``faulthandler.register(SIGTERM, file=wake_w, all_threads=False, chain=True)``, made after the Python
+    handler was installed, writes each SIGTERM's stack into ``wake_w`` before CPython's own C handler
+    marks the Python handler due. Only the stack of the thread the signal landed on: a dump of every
+    thread reads threads that are running, and crashed a rank once in 48 trials. Linux hands a signal
+    sent to the process to its main thread first (ours block SIGTERM); one that lands on a thread
+    without Python state (a C++ thread of torch's) writes nothing, and is left to the Python handler,
+    as before the watch. The handler empties the pipe each time it runs
+    (:meth:`taken_by_handler`); what is still there :data:`STUCK_AFTER_S` later, with no handler call
+    in between, came while the main thread ran no Python. ``die`` ends the process by SIGTERM from this
+    thread (``otel_train.runtime``); ``taken`` counts the signals this watch took.
+    """
+
+    def __init__(self, handler: MainThreadHandler, die: Callable[[], None]) -> None:
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)  # never block a C handler, nor the Python handler that empties it
+        self._handler, self._die = handler, die
+        self.taken = 0
+        self.closed = False
+
+    def start(self) -> None:
+        start_quiet(threading.Thread(target=self._run, name="otel_train.sigterm-watch", daemon=True))
+
+    def close(self) -> None:
+        """In a fork child, where the thread does not exist (faulthandler is unregistered first)."""
+        self.closed = True
+        for fd in (self.wake_r, self.wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def taken_by_handler(self) -> None:
+        """The Python handler runs: every SIGTERM whose stacks are in the pipe now is its to take."""
+        if not self.closed:
+            self._empty()
+
+    def _empty(self) -> None:
+        try:
+            while os.read(self.wake_r, 1 << 16):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _unread(self, timeout_s: float | None) -> bool:
+        try:
+            return bool(select.select([self.wake_r], [], [], timeout_s)[0])
+        except (OSError, ValueError):  # closed
+            self.closed = True
+            return False
+
+    def _run(self) -> None:
+        handler = self._handler
+        while not self.closed:
+            if not self._unread(None):
+                continue
+            seen = handler.calls
+            time.sleep(STUCK_AFTER_S)
+            if handler.calls != seen or not self._unread(0):
+                continue  # a handler ran: it took these, or will take the newer ones
+            self._empty()
+            if handler.thread.rounds_done > handler.acted:
+                continue  # a round is done, its action due when the main thread returns (the resends)
+            self._take()
+
+    def _take(self) -> None:
+        handler = self._handler
+        self.taken += 1
+        target = handler.claim()
+        deadline = time.monotonic() + handler.wait_s
+        while handler.thread.rounds_done < target and time.monotonic() < deadline:
+            time.sleep(RETRY_S)
+        if handler.previous == signal.SIG_DFL:
+            self._die()  # as without otel-train, a moment later; even if the round waits for a lock
+        # A previous Python handler stays due: it runs when the main thread comes back, the round done.
+
+
+def die_of_sigterm_off_main() -> None:
+    """Put back SIGTERM's default action and send it to this process, from any thread.
+
+    ``signal.signal`` works only on the main thread, so the action is set through libc. Without ctypes
+    the process still ends, with the exit status a shell gives a death by SIGTERM."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        if libc.signal(signal.SIGTERM, None) == ctypes.c_void_p(-1).value:  # SIG_ERR
+            raise OSError(ctypes.get_errno(), "signal(SIGTERM, SIG_DFL) failed")
+    except (ImportError, OSError, AttributeError) as exc:
+        _report.report("sigterm default action", f"SIGTERM's default action could not be put back "
+                       f"({_report.safe_str(exc)}): the process exits with status 143 instead")
+        os._exit(128 + signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)

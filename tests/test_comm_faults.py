@@ -228,3 +228,29 @@ def test_skipped_collective_from_flight_recorder_dumps_alone(tmp_path: Path) -> 
     (hang,) = found(summary, "hang")
     assert hang["rank"] == 1 and hang["comm"]["op"] == "all_reduce" and 1 in hang["comm"]["missing"], hang
     assert any("rank 2" in w for w in warnings), warnings
+
+
+def test_sigterm_to_the_launcher_ends_ranks_stuck_in_the_hung_collective(tmp_path: Path) -> None:
+    """A hang, named live, then stopped the usual way: SIGTERM to torchrun, which sends SIGTERM to every
+    rank and SIGKILLs any still alive 30 s later. Both ranks wait inside gloo (C++), where CPython runs
+    no Python handler: before the stuck-main watch (otel_train/sigterm.py) rank 0 lived on until that
+    SIGKILL and its file had no ``process_end``. Now every rank ends its trace with ``process_end``
+    (signal SIGTERM), and the hang is still named on the files so ended."""
+    save = tmp_path / "run"
+    proc = launch("train_ddp.py", save, 2, *DDP, "--fault", "skip-collective", "--fault-rank", "1",
+                  "--fault-step", "4", "--timeout-s", "120")  # gloo's own timeout after torchrun's SIGKILL
+    try:
+        events = watch_until(save, "hang")
+        assert [e for e in events if e["type"] == "finding" and e["finding"]["kind"] == "hang"], events
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    finally:
+        stop(proc, save)
+    ends: dict[int, list[dict[str, Any]]] = {}
+    for record in _read(save):
+        if record["event"] == "process_end":
+            ends.setdefault(record["rank"], []).append(record)
+    assert sorted(ends) == [0, 1], (save.parent / "run.log").read_text()[-3000:]
+    assert all(len(e) == 1 and e[0]["attrs"]["signal"] == "SIGTERM" for e in ends.values()), ends
+    (hang,) = found(summarize(save, warn=lambda _: None), "hang")
+    assert hang["rank"] == 1 and hang["comm"]["op"] == "all_reduce" and hang["comm"]["missing"] == [1], hang

@@ -329,6 +329,105 @@ signal.signal(signal.SIGTERM, on_term)
     assert {r[S.STATUS] for r in by_kind(records, S.SPAN_END)} == {S.STATUS_INCOMPLETE}
 
 
+# Two gloo processes: rank 0 (traced) waits in its second all-reduce, inside a C call, until rank 1 (not
+# traced) finds the file "go" in the directory both are given.
+STUCK_IN_C = """
+import datetime, os, signal, sys, time
+import torch
+import torch.distributed as dist
+rank, where = int(sys.argv[1]), sys.argv[2]
+ran = []
+if rank == 0:
+    def previous(signum, frame):  # sets a flag, as Lightning's does
+        with open(os.path.join(where, "previous"), "a") as f:
+            f.write("ran\\n")
+        ran.append(signum)
+    signal.signal(signal.SIGTERM, previous)
+    import otel_train as ot
+    ot.init()
+store = dist.FileStore(os.path.join(where, "store"), 2)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+t = torch.ones(4)
+dist.all_reduce(t)
+if rank == 1:
+    while not os.path.exists(os.path.join(where, "go")):
+        time.sleep(0.05)
+else:
+    print("ready", flush=True)
+dist.all_reduce(t)
+dist.destroy_process_group()  # without it gloo's threads may abort the exit (docs/comm.md, "Exit")
+sys.exit(3 if ran else 0)
+"""
+
+
+def test_sigterm_while_the_main_thread_is_stuck_in_a_collective_ends_the_trace_at_once(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    """Rank 0's main thread waits inside gloo's all-reduce (C++) for a peer that does not come: CPython
+    cannot run a Python handler there, so before the stuck-main watch a SIGTERM did nothing until the
+    collective returned, and a launcher's SIGKILL 30 s later left the file without ``process_end``. Now the
+    watch ends the trace while the main thread is still stuck; the handler that was there before ``init``
+    runs once, when the collective returns (here: when the peer comes), and the process goes on."""
+    pytest.importorskip("torch.distributed")
+    save, where = tmp_path / "run", tmp_path / "job"
+    where.mkdir()
+    ranks = [subprocess.Popen([sys.executable, "-c", STUCK_IN_C, str(rank), str(where)], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=traced_env(save, OMP_NUM_THREADS="1")) for rank in (0, 1)]
+    try:
+        wait_ready(ranks[0])
+        time.sleep(0.2)  # into the all-reduce: nothing below depends on how far in
+        ranks[0].send_signal(signal.SIGTERM)
+        end = time.monotonic() + TIMEOUT
+        while not [r for r in read_records(save, torn_ok=1) if r[S.EVENT] == "process_end"]:
+            assert ranks[0].poll() is None, ranks[0].communicate()
+            assert time.monotonic() < end, "no process_end while the main thread waits in the collective"
+            time.sleep(0.05)
+        assert not (where / "previous").exists()  # the main thread is still in the collective
+        (where / "go").touch()
+        out, err = finish(ranks[0])
+        assert ranks[0].returncode == 3, err  # the previous handler ran, once the collective returned
+        finish(ranks[1])
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    assert (where / "previous").read_text() == "ran\n"
+    records = read_records(save)
+    assert_gapless(records)
+    assert [r[S.EVENT] for r in records].count("process_end") == 1
+    assert records[-1][S.EVENT] == "process_end" and records[-1][S.ATTRS]["signal"] == "SIGTERM"
+    stuck = [r for r in records if r[S.EVENT] == "comm.all_reduce_end"][-1]
+    assert stuck[S.STATUS] == S.STATUS_INCOMPLETE  # the collective it was in, ended by the shutdown
+
+
+def test_a_sigterm_the_handler_took_is_not_taken_again_by_the_stuck_main_watch(
+        tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
+    """The watch judges the main thread stuck by the signal's stacks still unread in its pipe; the
+    handler empties the pipe when it runs. A handler that returns (Lightning's sets a flag) leaves the
+    process running Python well past ``STUCK_AFTER_S``: its signal must not be taken a second time (a
+    second shutdown round, and the previous handler run again by its resend)."""
+    code = SDK_CHILD + textwrap.dedent("""
+    from otel_train import sigterm
+    calls = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    ot.init(handlers=[Null])
+    with ot.training_step(1):
+        os.kill(os.getpid(), signal.SIGTERM)
+        end = time.monotonic() + 4 * sigterm.STUCK_AFTER_S + 1.0
+        while time.monotonic() < end:
+            time.sleep(0.01)
+    handler = runtime._sigterm_handler
+    print("previous", calls, "rounds", handler.thread.rounds_done, "taken", handler.watch.taken, flush=True)
+    """)
+    child = spawn(code, traced_env())
+    out, err = finish(child)
+    assert child.returncode == 0, err
+    assert out == f"previous [{int(signal.SIGTERM)}] rounds 1 taken 0\n", err
+    records = read_records(tmp_path)
+    assert [r[S.EVENT] for r in records].count("process_end") == 1
+
+
 def test_normal_exit_without_shutdown_runs_it_at_exit(
         tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
     code = """
@@ -476,7 +575,8 @@ def test_the_runtimes_threads_never_take_the_processs_signals(
     assert proc.returncode == 0, proc.stderr
     masks = dict(line.split() for line in proc.stdout.splitlines())
     ours = {name: mask for name, mask in masks.items() if name.startswith(("otel_train", "otel-train"))}
-    expected = {"otel_train.writer", "otel_train.file_check", "otel-train-watchdog", "otel_train.sigterm"}
+    expected = {"otel_train.writer", "otel_train.file_check", "otel-train-watchdog", "otel_train.sigterm",
+                "otel_train.sigterm-watch"}
     assert expected <= set(ours), masks
     assert all(_blocked(m, signal.SIGTERM) and _blocked(m, signal.SIGINT) for m in ours.values()), ours
     assert not _blocked(masks["MainThread"], signal.SIGTERM), masks
