@@ -602,7 +602,7 @@ def _watch_stuck_main(handler: sigterm.MainThreadHandler) -> None:
     """Chain ``faulthandler``'s C handler in front of CPython's, for a SIGTERM that lands while the main
     thread is stuck in a C call (otel_train/sigterm.py, :class:`sigterm.StuckMainWatch`). Without it such
     a SIGTERM waits for the call to return, where the process would have died at once without us."""
-    watch = sigterm.StuckMainWatch(handler, _die_of_sigterm_from_watch)
+    watch = sigterm.StuckMainWatch(handler, _die_of_sigterm)
     try:
         import faulthandler
 
@@ -615,13 +615,6 @@ def _watch_stuck_main(handler: sigterm.MainThreadHandler) -> None:
         return
     handler.watch = watch
     watch.start()
-
-
-def _die_of_sigterm_from_watch() -> None:
-    import faulthandler
-
-    faulthandler.unregister(signal.SIGTERM)
-    sigterm.die_of_sigterm_off_main()
 
 
 def _shutdown_on_signal() -> None:
@@ -667,10 +660,12 @@ def _watch_sigterm() -> None:
 
 
 def _die_of_sigterm() -> None:
+    """From a thread (either watcher): faulthandler lets go of SIGTERM, whose default action comes back
+    (put back through libc where a Python handler held it), and the process dies of it, as without us."""
     import faulthandler
 
-    faulthandler.unregister(signal.SIGTERM)  # the default action again: die of SIGTERM, as without us
-    os.kill(os.getpid(), signal.SIGTERM)
+    faulthandler.unregister(signal.SIGTERM)
+    sigterm.die_of_sigterm_off_main()
 
 
 def _unwatch_sigterm_in_child() -> None:

@@ -98,11 +98,7 @@ class ShutdownThread:
     def close(self) -> None:
         """In a fork child, where the thread does not exist: the descriptors go."""
         self.closed = True
-        for fd in (self.wake_r, self.wake_w, self.done_r, self.done_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_all(self.wake_r, self.wake_w, self.done_r, self.done_w)
 
     def _run(self) -> None:
         while True:
@@ -273,11 +269,7 @@ class StuckMainWatch:
     def close(self) -> None:
         """In a fork child, where the thread does not exist (faulthandler is unregistered first)."""
         self.closed = True
-        for fd in (self.wake_r, self.wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        _close_all(self.wake_r, self.wake_w)
 
     def taken_by_handler(self) -> None:
         """The Python handler runs: every SIGTERM whose stacks are in the pipe now is its to take."""
@@ -322,6 +314,14 @@ class StuckMainWatch:
         if handler.previous == signal.SIG_DFL:
             self._die()  # as without otel-train, a moment later; even if the round waits for a lock
         # A previous Python handler stays due: it runs when the main thread comes back, the round done.
+
+
+def _close_all(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def die_of_sigterm_off_main() -> None:
