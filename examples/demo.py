@@ -128,7 +128,7 @@ def show_whatif(path: Path) -> None:
 
 def clean(out: Path) -> None:
     say("== 1. A clean run")
-    with job(out / "clean") as proc:
+    with job(out / "clean", "--cpu-wait") as proc:  # each step's wait for a CPU: a busy machine's stragglers
         proc.wait(JOB_TIMEOUT_S)
     show_findings(out / "clean")
     show_whatif(out / "clean")

@@ -177,8 +177,15 @@ def test_sigterm_inside_an_export_processor_waits_until_it_is_out(
     """A SIGTERM that lands while the main thread queues a span for an exporter (inside the batch
     processor's lock) is handled once it is out. Shutting down there ended the open spans through that
     processor again, from inside it: with its lock not reentrant, the process hung in shutdown (a kill
-    trial of the fault suite, caught with py-spy). The lock is held here by hand, as ``on_end`` holds it."""
+    trial of the fault suite, caught with py-spy). The lock is held here by hand, as ``on_end`` holds it.
+
+    The child says, on the records' clock, when it lets go of the lock; ``process_end`` must come after.
+    How far the main thread gets once out is not asked: SIGTERM acts there at the next bytecode, or, on a
+    machine that keeps the main thread off its CPU for STUCK_AFTER_S, from the stuck-main watch, which
+    may end the process half-way through a ``print`` (CI: the child's stdout was "out" without its newline).
+    """
     code = SDK_CHILD + textwrap.dedent("""
+    from otel_train import _clock
     ot.init(handlers=[Null])
     (batch,) = runtime._active.batch_processors
     with ot.training_step(1):
@@ -186,14 +193,18 @@ def test_sigterm_inside_an_export_processor_waits_until_it_is_out(
             with batch._lock:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.2)  # the handler runs in here, and must leave shutdown for later
-            print("out", flush=True)
+                print("releasing", _clock.now_ns(), flush=True)
             time.sleep(30)
     """)
     child = spawn(code, traced_env())
     out, err = finish(child)
     assert child.returncode == -signal.SIGTERM, err
-    assert out == "out\n" and "Traceback" not in err
+    assert "Traceback" not in err
+    said = out.split("\n")[0].split()
+    assert said[:1] == ["releasing"], out
+    released_s = int(said[1]) / 1e9
     records = read_records(tmp_path)
+    assert records[-1][S.EVENT] == "process_end" and records[-1][S.TS] >= released_s, (records[-1], released_s)
     assert_gapless(records)
     assert [r[S.EVENT] for r in records] == [
         "process_start", "step_start", "forward_start", "forward_end", "step_end", "process_end"]
