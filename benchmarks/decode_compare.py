@@ -7,18 +7,22 @@ DuckDB query of benchmarks/analysis_throughput.py:
 * ``msgspec-structs``: today's decode into the record Structs, every process in turn (no span model);
 * ``msgspec-narrow``: field-selective decode into a Struct of only what summaries need;
 * ``duckdb-columns``: DuckDB's multi-threaded read_json of the span model's columns into numpy;
+* ``polars-columns`` / ``pyarrow-columns``: polars' and pyarrow's multi-threaded NDJSON readers of the
+  same columns (every file of the run into one frame / table);
 * ``load_run-serial`` / ``load_run-pool``: decode and span model, one process or the pool;
 * ``load_run-cached``: the second read (the read cache beside the run).
 
     .venv/bin/python benchmarks/decode_compare.py [--rounds 3] [--busy]
 
-``--busy`` keeps one core busy (a spinning process) throughout. pyarrow and polars are not installed
-(not dependencies of otel-train); DuckDB stands for the native multi-threaded JSON readers.
+``--busy`` keeps one core busy (a spinning process) throughout. polars and pyarrow are not dependencies
+of otel-train: their rows run where they are installed (``pip install polars pyarrow`` into the venv
+for the measurement) and are left out otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -73,6 +77,22 @@ con = duckdb.connect()
 out = con.execute(f"SELECT * FROM read_json('{glob}', format='newline_delimited', ignore_errors=true, "
                   f"columns={{{spec}}})").fetchnumpy()
 """,
+    "polars-columns": """
+import polars as pl
+schema = {'kind': pl.Utf8, 'name': pl.Utf8, 'span_id': pl.Utf8, 'rank': pl.Int32, 'step': pl.Int64,
+          'ts': pl.Float64, 'dur_ms': pl.Float64, 'status': pl.Utf8}
+paths = [str(p) for p in sorted((RUN / 'structured_logs').glob('*.jsonl*'))]
+out = pl.concat([pl.read_ndjson(p, schema=schema, ignore_errors=True) for p in paths])
+""",
+    "pyarrow-columns": """
+import pyarrow as pa, pyarrow.json as pj
+schema = pa.schema([('kind', pa.string()), ('name', pa.string()), ('span_id', pa.string()),
+                    ('rank', pa.int32()), ('step', pa.int64()), ('ts', pa.float64()),
+                    ('dur_ms', pa.float64()), ('status', pa.string())])
+opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior='ignore')
+paths = sorted((RUN / 'structured_logs').glob('*.jsonl*'))
+out = pa.concat_tables([pj.read_json(p, parse_options=opts) for p in paths])
+""",
     "load_run-serial": "from otel_train.analysis.spans import load_run\nload_run(RUN, workers=1, cache=False)\n",
     "load_run-pool": "from otel_train.analysis.spans import load_run\nload_run(RUN, cache=False)\n",
     "load_run-cached": "from otel_train.analysis.spans import load_run\nload_run(RUN)\n",
@@ -86,6 +106,15 @@ t0 = time.perf_counter()
 {body}
 print(time.perf_counter() - t0)
 """
+
+
+OPTIONAL = {"polars-columns": "polars", "pyarrow-columns": "pyarrow"}
+"""Rows whose reader is not a dependency: run only where that module is installed."""
+
+
+def installed(name: str) -> bool:
+    module = OPTIONAL.get(name)
+    return module is None or importlib.util.find_spec(module) is not None
 
 
 def once(name: str, run: Path) -> float:
@@ -103,9 +132,9 @@ def main() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:
         once("load_run-cached", args.run)  # fill the cache (and the page cache)
-        times: dict[str, list[float]] = {k: [] for k in CASES}
+        times: dict[str, list[float]] = {k: [] for k in CASES if installed(k)}
         for _ in range(args.rounds):
-            for name in CASES:
+            for name in times:
                 times[name].append(once(name, args.run))
     finally:
         if busy is not None:
@@ -117,6 +146,9 @@ def main() -> None:
     duck = statistics.median(times["duckdb-query"])
     for name, ts in times.items():
         print(f"| {name} | {statistics.median(ts):.2f} ({min(ts):.2f} – {max(ts):.2f}) | {statistics.median(ts) / duck:.2f} |")
+    for name in CASES:
+        if name not in times:
+            print(f"| {name} | not installed ({OPTIONAL[name]}) | |")
 
 
 if __name__ == "__main__":
