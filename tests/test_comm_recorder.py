@@ -262,6 +262,68 @@ def test_an_op_issued_from_cpp_comes_from_the_flight_recorder_buffer_once(tmp_pa
     assert fr_end is not None and fr_end["status"] == S.STATUS_OK and fr_start["step"] == 1
 
 
+# gloo marks a buffer op completed from its own thread a few ms after the op's result was used: a clean
+# exit right after the last op found it still running (CI, a tensor-parallel job beside a busy loop).
+# LAGGING makes the buffer say so until a chosen moment (every entry from the first op on reads as
+# running until `hold["until"]`), the torch behaviour made certain instead of rare.
+LAGGING = """
+import pickle
+import torch.distributed._functional_collectives as fc
+from otel_train.comm import flight_recorder as fr, recorder as rec
+real = fr._dump_pickle
+hold = {"from": None, "until": None}
+def lagging():
+    dump = pickle.loads(real())
+    held = hold["from"] is not None and (hold["until"] is None or time.monotonic() < hold["until"])
+    for entry in dump.get("entries") or []:
+        if held and entry["record_id"] >= hold["from"]:
+            entry.update(state="started", retired=False, time_discovered_completed_ns=None)
+    return pickle.dumps(dump)
+fr._dump_pickle = lagging
+ot.init(save_path=save, enabled=True)
+group()
+t = torch.ones(8)
+fc.wait_tensor(fc.all_reduce(t, "sum", dist.group.WORLD))  # the first: its span is written at once
+time.sleep(0.5)
+entries = pickle.loads(real())["entries"]
+hold["from"] = max(e["record_id"] for e in entries) + 1
+with ot.training_step(1):
+    with ot.log_trace_span("forward"):
+        fc.wait_tensor(fc.all_reduce(t, "sum", dist.group.WORLD))
+"""
+
+
+@pytest.mark.parametrize("how", ["destroy", "shutdown"])
+def test_a_buffer_op_marked_done_late_at_exit_still_ends_ok(tmp_path: Path, how: str) -> None:
+    # The buffer says "running" for 50 ms after the exit began: the final look reads it again until then.
+    # Either way out: destroy_process_group's flush, or ot.shutdown with the group still alive.
+    exit_code = ("dist.destroy_process_group()\not.shutdown()" if how == "destroy" else "ot.shutdown()")
+    run_scenario(tmp_path, LAGGING + f"""
+hold["until"] = time.monotonic() + 0.05
+{exit_code}
+""")
+    spans = sorted(comm_spans(records(tmp_path)), key=lambda span: span[0]["attrs"][S.ATTR_COMM_SEQ])
+    assert [s["attrs"].get("comm.source") for s, _ in spans] == ["flight_recorder"] * 2
+    last_start, last_end = spans[-1]
+    assert last_start["step"] == 1 and last_end is not None
+    assert last_end["status"] == S.STATUS_OK, last_end  # before the fix: "incomplete"
+
+
+def test_a_buffer_op_still_running_at_exit_ends_incomplete_after_the_settle_wait(tmp_path: Path) -> None:
+    # One that never ends (a stuck op, as far as the buffer says) is waited for FR_SETTLE_S, then ended
+    # incomplete by shutdown, as before.
+    done = run_scenario(tmp_path, LAGGING + """
+began = time.monotonic()
+ot.shutdown()
+print("SHUTDOWN_S", time.monotonic() - began, rec.FR_SETTLE_S)
+""")
+    waited, settle = map(float, next(l for l in done.stdout.splitlines() if l.startswith("SHUTDOWN_S")).split()[1:])
+    assert waited >= settle  # the final look read the buffer until its deadline
+    spans = sorted(comm_spans(records(tmp_path)), key=lambda span: span[0]["attrs"][S.ATTR_COMM_SEQ])
+    last_start, last_end = spans[-1]
+    assert last_start["step"] == 1 and last_end is not None and last_end["status"] == S.STATUS_INCOMPLETE
+
+
 def test_ddp_reducer_ops_are_one_span_each_through_the_comm_hook(tmp_path: Path) -> None:
     # The hook's all_reduce passes the wrapper and Flight Recorder holds it too: one span, not two.
     run_scenario(tmp_path, """

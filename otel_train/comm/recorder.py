@@ -50,6 +50,13 @@ most :data:`flight_recorder.MAX_READ_INTERVAL_S` apart)."""
 MARGIN_NS = 100_000_000
 """Spans that ended this long before the last look that left no op unread are kept anyway (clock slack)."""
 STEP_HISTORY = 1024
+FR_SETTLE_S = 0.3
+"""At a final look (``destroy_process_group``, shutdown), how long buffer ops still running are read
+again to see them end: gloo marks an op completed from its own thread a few ms after its result was
+used (up to 6 ms measured on a quiet machine; longer on a loaded one), so a clean exit read at once
+ended a finished op as ``incomplete``. An op that is really stuck costs a final look this much."""
+FR_SETTLE_FIRST_S = 0.002
+"""The first pause between those reads; each next one twice as long (a read costs about a ms)."""
 SOURCE_FR = "flight_recorder"
 ATTR_SOURCE = "comm.source"
 _INTERNAL = SpanKind.INTERNAL
@@ -162,6 +169,8 @@ class Recorder:
                 now = time.monotonic()
                 if (final or self._buffer.due(now)) and (self._fr_open or self._has_gaps()):
                     self._read_buffer(now)
+                    if final:
+                        self._settle(now + FR_SETTLE_S)
                 self._forget_spans(look_ns)
         finally:
             self._lock.release()
@@ -325,6 +334,18 @@ class Recorder:
             if self._take(state, key):
                 self._fr_span(entry, state, op, key, threads)
         self._count_lost(entries, by_name)
+
+    def _settle(self, deadline: float) -> None:
+        """Read the buffer again until its ops still open are seen to end, or the (monotonic) deadline:
+        each pause is followed by a read, so the last read comes at or after the deadline."""
+        pause = FR_SETTLE_FIRST_S
+        while self._fr_open and self._buffer is not None and self._buffer.enabled:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(pause, left))
+            pause *= 2
+            self._read_buffer(time.monotonic())
 
     def _see_spans(self) -> None:
         """Take the spans open now, then those that ended since the last look (in this order: a span the
