@@ -49,6 +49,11 @@ def comm_spans(recs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[st
             if r["kind"] == S.SPAN_START and S.comm_op_of(r["name"]) is not None]
 
 
+def spans_by_seq(save: Path) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """comm_spans in the ops' seq order (a buffer op's span may be written before or after a later op's)."""
+    return sorted(comm_spans(records(save)), key=lambda span: span[0]["attrs"][S.ATTR_COMM_SEQ])
+
+
 # Settings
 
 
@@ -253,8 +258,7 @@ def test_an_op_issued_from_cpp_comes_from_the_flight_recorder_buffer_once(tmp_pa
     time.sleep(1.0)
     ot.shutdown()
     """)
-    spans = comm_spans(records(tmp_path))
-    spans.sort(key=lambda span: span[0]["attrs"][S.ATTR_COMM_SEQ])  # the buffer's span may come before or after op 3's
+    spans = spans_by_seq(tmp_path)
     assert [(s["name"], s["attrs"][S.ATTR_COMM_SEQ], s["attrs"].get("comm.source")) for s, _ in spans] == [
         ("comm.all_reduce", 1, None), ("comm.all_reduce", 2, "flight_recorder"), ("comm.all_reduce", 3, None)]
     fr_start, fr_end = spans[1]
@@ -297,12 +301,12 @@ with ot.training_step(1):
 def test_a_buffer_op_marked_done_late_at_exit_still_ends_ok(tmp_path: Path, how: str) -> None:
     # The buffer says "running" for 50 ms after the exit began: the final look reads it again until then.
     # Either way out: destroy_process_group's flush, or ot.shutdown with the group still alive.
-    exit_code = ("dist.destroy_process_group()\not.shutdown()" if how == "destroy" else "ot.shutdown()")
+    way_out = ("dist.destroy_process_group()\not.shutdown()" if how == "destroy" else "ot.shutdown()")
     run_scenario(tmp_path, LAGGING + f"""
 hold["until"] = time.monotonic() + 0.05
-{exit_code}
+{way_out}
 """)
-    spans = sorted(comm_spans(records(tmp_path)), key=lambda span: span[0]["attrs"][S.ATTR_COMM_SEQ])
+    spans = spans_by_seq(tmp_path)
     assert [s["attrs"].get("comm.source") for s, _ in spans] == ["flight_recorder"] * 2
     last_start, last_end = spans[-1]
     assert last_start["step"] == 1 and last_end is not None
@@ -319,8 +323,7 @@ print("SHUTDOWN_S", time.monotonic() - began, rec.FR_SETTLE_S)
 """)
     waited, settle = map(float, next(l for l in done.stdout.splitlines() if l.startswith("SHUTDOWN_S")).split()[1:])
     assert waited >= settle  # the final look read the buffer until its deadline
-    spans = sorted(comm_spans(records(tmp_path)), key=lambda span: span[0]["attrs"][S.ATTR_COMM_SEQ])
-    last_start, last_end = spans[-1]
+    last_start, last_end = spans_by_seq(tmp_path)[-1]
     assert last_start["step"] == 1 and last_end is not None and last_end["status"] == S.STATUS_INCOMPLETE
 
 
