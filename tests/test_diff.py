@@ -183,6 +183,34 @@ def test_ten_percent_on_one_rank_under_autocorrelated_load_is_found_19_of_20(tmp
     assert found >= 19, found
 
 
+def _short_forward(slow: float) -> Change:
+    """forward at 5 ms (a quarter of noisy_run's), rank 1's ``slow`` x that."""
+    def change(rank: int, step: int, t: dict[str, float]) -> None:
+        t[FORWARD] *= 0.25 * (slow if rank == 1 else 1.0)
+
+    return change
+
+
+def test_fifteen_percent_of_a_short_phase_under_load_waves_is_sized_against_peers_19_of_20(tmp_path: Path) -> None:
+    """Issue 42: rank 1's 5 ms forward 15 % (0.75 ms) slower, each run under its own AR(1) load wave (rho
+    0.95, +-15 %). The peer-relative test finds it; the size gate used the raw medians, which the wave
+    moves by more than the change (1 of 5 pairs found before): it must use the change over the peers."""
+    found = 0
+    for i in range(20):
+        out = diff_runs(loaded_run(tmp_path / f"a{i}", 700 + 2 * i, _short_forward(1.0)),
+                        loaded_run(tmp_path / f"b{i}", 701 + 2 * i, _short_forward(1.15)))
+        hit = [f for f in out["findings"] if f["rank"] == 1 and f["phase"] == FORWARD]
+        found += bool(hit) and hit[0]["kind"] == "regression" and 0.5 <= hit[0]["delta_ms"] <= 1.0
+    assert found >= 19, found
+
+
+def test_clean_short_phases_under_load_waves_raise_at_most_one_false_finding_in_40(tmp_path: Path) -> None:
+    false = sum(bool(diff_runs(loaded_run(tmp_path / f"a{i}", 900 + 2 * i, _short_forward(1.0)),
+                               loaded_run(tmp_path / f"b{i}", 901 + 2 * i, _short_forward(1.0)))["findings"])
+                for i in range(40))
+    assert false <= 1, false
+
+
 def _rank1_fetch_plus_30(rank: int, step: int, t: dict[str, float]) -> None:
     if rank == 1:
         t[DATA_FETCH] += 30.0

@@ -10,7 +10,9 @@ What is tested is what is independent (docs/analysis.md "Diff"). Consecutive ste
 comes and goes over many steps and moves every rank alike. So:
 
 * a rank is judged on its time *relative to its peers at the same step* (its per-step time over the
-  median of the other ranks'): load that every rank of the run shares cancels out;
+  median of the other ranks'): load that every rank of the run shares cancels out, in the test and
+  in the size gate alike (its change is the change of that ratio's median, in ms that share of A's
+  median: ``peer_delta_pct``, ``peer_delta_ms``);
 * a phase (all ranks) is judged on its per-step median over the ranks;
 * either series is cut into blocks of consecutive steps at least twice its integrated
   autocorrelation time long (:func:`block_medians`), and the Mann–Whitney test compares the blocks'
@@ -144,9 +146,10 @@ def _step_matrix(keyed: Keyed, phase: str) -> tuple[list[int], np.ndarray]:
     return ranks, m
 
 
-def _tested(keyed: Keyed, phase: str) -> dict[int | None, np.ndarray]:
+def _tested(keyed: Keyed, phase: str, exclude: frozenset[int] = frozenset()) -> dict[int | None, np.ndarray]:
     """The series a phase is tested on: ``None`` → its per-step median over the ranks; each rank → its
-    per-step time over the median of its peers' at the same step (its own time when it has no peers)."""
+    per-step time over the median of its peers' at the same step (its own time when it has no peers).
+    Ranks in ``exclude`` are no rank's peers (while another rank is left)."""
     ranks, m = _step_matrix(keyed, phase)
     if not ranks:
         return {}
@@ -154,9 +157,26 @@ def _tested(keyed: Keyed, phase: str) -> dict[int | None, np.ndarray]:
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows: a step no peer ran
         out: dict[int | None, np.ndarray] = {None: _finite(np.nanmedian(m, axis=1))}
         for j, r in enumerate(ranks):
-            peers = np.nanmedian(np.delete(m, j, axis=1), axis=1) if len(ranks) > 1 else np.ones(m.shape[0])
+            cols = [k for k, q in enumerate(ranks) if k != j and q not in exclude] or \
+                [k for k in range(len(ranks)) if k != j]
+            peers = np.nanmedian(m[:, cols], axis=1) if cols else np.ones(m.shape[0])
             out[r] = _finite(m[:, j] / peers)
     return out
+
+
+def _without_the_changed(rows: list[dict[str, Any]], judged: tuple[Keyed, Keyed], th: Thresholds) -> None:
+    """Culprits, not victims, among peers: a rank whose change moved its peers' median (one rank of four
+    50 % slower raises the median of the other three's) makes its peers look changed the other way. So
+    the ranks of a phase that came out changed are judged again against the peers that did not."""
+    for name in dict.fromkeys(r["phase"] for r in rows):
+        mine = [r for r in rows if r["phase"] == name]
+        changed = frozenset(r["rank"] for r in mine if r[REGRESSION] or r[IMPROVEMENT] or r[UNDECIDED])
+        if not changed or len(changed) >= len(mine):
+            continue
+        tested = [_tested(k, name, changed) for k in judged]
+        for r in (r for r in mine if r["rank"] in changed):
+            a, b = (k.get((r["rank"], name), (_NONE, _NONE))[1] for k in judged)
+            r.update(_verdict(a, b, *(t.get(r["rank"], _NONE) for t in tested), th, relative=True))
 
 
 def _finite(x: np.ndarray) -> np.ndarray:
@@ -244,26 +264,33 @@ def _p50(values: np.ndarray) -> float | None:
     return quantiles(values, (0.5,))[0] if values.size else None
 
 
-def _verdict(a: np.ndarray, b: np.ndarray, ta: np.ndarray, tb: np.ndarray, th: Thresholds) -> dict[str, Any]:
+def _verdict(a: np.ndarray, b: np.ndarray, ta: np.ndarray, tb: np.ndarray, th: Thresholds,
+             relative: bool = False) -> dict[str, Any]:
     """The judged values ``a``, ``b`` and their tested series ``ta``, ``tb`` (see the module doc):
     p_value, the medians (judged_ms) and their change (delta_ms), and whether that is a
-    ``regression`` or an ``improvement``."""
+    ``regression`` or an ``improvement``. ``relative`` (a rank's row: ``ta``, ``tb`` are its times over
+    its peers'): the size gate and the direction are the tested series' change, ``peer_delta_pct``,
+    and that share of A's median, ``peer_delta_ms``; a run's own load moves the raw medians."""
     if not a.size or not b.size:
         return {"p_value": math.nan, "delta_ms": math.nan, "judged_ms": [_p50(a), _p50(b)], "blocks": [0, 0],
                 REGRESSION: False, IMPROVEMENT: False, UNDECIDED: False}
     p, blocks = _block_p(ta, tb)
     row = {"p_value": p, "delta_ms": float(np.median(b) - np.median(a)),
            "judged_ms": [float(np.median(a)), float(np.median(b))], "blocks": blocks}
-    # The tested series' own change must matter too, the same way: a rank's raw median can move with
-    # the run's load while its time relative to its peers stays put.
     tested = _pct(float(np.median(ta)), float(np.median(tb))) if ta.size and tb.size else None
-    agrees = tested is not None and abs(tested) >= th.min_pct and (tested > 0) == (row["delta_ms"] > 0)
-    matters = _big(row, th) and agrees
+    if relative:
+        size = math.nan if tested is None else tested / 100.0 * row["judged_ms"][0]
+        row["peer_delta_pct"], row["peer_delta_ms"] = tested, size
+        matters = tested is not None and abs(tested) >= th.min_pct and abs(size) >= th.min_ms
+        up = size > 0
+    else:
+        # The tested series' own change must matter too, the same way.
+        agrees = tested is not None and abs(tested) >= th.min_pct and (tested > 0) == (row["delta_ms"] > 0)
+        matters, up = _big(row, th) and agrees, row["delta_ms"] > 0
     found = p < th.max_p and matters
     # Big enough to matter, but too few independent blocks to judge: said so, never "no change".
     undecided = matters and not found and min(blocks) < MIN_BLOCKS
-    return {**row, REGRESSION: found and row["delta_ms"] > 0, IMPROVEMENT: found and row["delta_ms"] < 0,
-            UNDECIDED: undecided}
+    return {**row, REGRESSION: found and up, IMPROVEMENT: found and not up, UNDECIDED: undecided}
 
 
 def _pct(a: float | None, b: float | None) -> float | None:
@@ -302,6 +329,7 @@ def diff_runs(a: Run, b: Run, thresholds: Thresholds = Thresholds(), sync: Seque
     containers = {p for run in (a, b) for d in run.processes for p in d.parents.values() if p is not None}
     tested = [{n: _tested(judged, n) for n in names} for judged in (judged_a, judged_b)]
     ranks = _rank_rows(raw_a, raw_b, judged_a, judged_b, tested, names, thresholds)
+    _without_the_changed(ranks, (judged_a, judged_b), thresholds)
     for row in ranks:
         if row["phase"] in collective:  # judged for the group only (see _findings)
             row[REGRESSION] = row[IMPROVEMENT] = False
@@ -375,7 +403,7 @@ def _rank_rows(raw_a: Samples, raw_b: Samples, judged_a: Keyed, judged_b: Keyed,
             rows.append({"rank": rank, "phase": name, "a_p50_ms": a50, "b_p50_ms": b50, "delta_pct": _pct(a50, b50),
                          **_verdict(judged_a.get((rank, name), (_NONE, _NONE))[1],
                                     judged_b.get((rank, name), (_NONE, _NONE))[1],
-                                    *(t[name].get(rank, _NONE) for t in tested), th)})
+                                    *(t[name].get(rank, _NONE) for t in tested), th, relative=True)})
     return rows
 
 
@@ -413,9 +441,13 @@ def _finding(kind: str, phase: str, rank: int | None, row: dict[str, Any], colle
     runs = row.get("runs") or {}
     spread = (f", outside the spread of {len(runs['a_p50_ms'])} runs of A (+/-{runs['bound_ms']:.3g} ms)"
               if runs.get("bound_ms") is not None else "")
+    delta = row["delta_ms"]
+    if row.get("peer_delta_pct") is not None:  # a rank judged against its peers: that change is the finding's
+        pct, delta = row["peer_delta_pct"], row["peer_delta_ms"]
+        change += f"; over its peers at the same steps {pct:+.0f} %, {delta:+.2f} ms"
     message = (f"{phase} on {who}{own}: median {a50:.3g} -> {b50:.3g} ms ({change}), "
                f"Mann-Whitney p={row['p_value']:.1g} over blocks of steps{spread}")
-    return {"kind": kind, "phase": phase, "rank": rank, "message": message, "delta_ms": row["delta_ms"],
+    return {"kind": kind, "phase": phase, "rank": rank, "message": message, "delta_ms": delta,
             "delta_pct": pct, "p_value": row["p_value"]}
 
 
