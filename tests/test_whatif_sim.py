@@ -326,12 +326,12 @@ def test_a_split_simulation_gives_the_same_answer(tmp_path: Path, monkeypatch: p
     the answer of one process, to the last bit; the fork is counted, so the test fails without one."""
     import concurrent.futures
 
-    from otel_train.analysis import graph, pools
+    from otel_train.analysis import graph_sim, pools
 
     write_job(tmp_path / "run", dp=2, pp=4, tp=1, steps=STEPS, microbatches=8, schedule="1f1b", cause="worker",
               seed=5)
     alone = typical(tmp_path / "run")
-    monkeypatch.setattr(graph, "SPLIT_MIN", 0)
+    monkeypatch.setattr(graph_sim, "SPLIT_MIN", 0)
     forks: list[int] = []
 
     class Counted(concurrent.futures.ProcessPoolExecutor):
