@@ -17,7 +17,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e '.[torch,lightning,transformers,telemetry,analysis,stacks,dev]' $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[torch,lightning,transformers,telemetry,analysis,stacks,mcp,dev]' $(TORCH)
 	touch $(STAMP)
 
 install: $(STAMP)
