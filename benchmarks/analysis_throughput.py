@@ -247,7 +247,18 @@ def measure(run: Path, cache: Path, skip: set[str]) -> list[tuple[str, float, fl
 
 # --- --targets: issue 20's targets, process to process (docs/benchmarks.md, "Reading a run") ------------
 
-CACHE_DIR = ".otel-train-cache"  # otel_train.analysis.reading.cache.CACHE_DIR: the read cache beside a run
+
+
+def drop_cache(run: Path) -> None:
+    """Remove the run's read cache and remembered results (in this user's cache directory, as the CLI
+    children find it: they inherit XDG_CACHE_HOME): its next read is cold."""
+    from otel_train.analysis.reading.cache import cache_dir_of
+
+    folder = cache_dir_of(run / schema.STRUCTURED_LOGS_DIR)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 DUCK_PROCESS = "import sys, duckdb; duckdb.connect().execute(sys.argv[1]).fetchall()"
 IMPORT_LINE = re.compile(r"import time:\s+\d+ \|\s+(\d+) \|( +)(\S+)")
 Row = tuple[str, float, float, float]  # what, wall s, CPU s, peak RSS MB
@@ -336,14 +347,14 @@ def target_round(run: Path, small: Path, out: Path, env: dict[str, str], first: 
                                                                               duckdb_sql(run)], env))]
     # The start-up reference reads and analyses its tiny run, as a window does (cache removed: a remembered
     # answer would import no analysis and make every window look slower than it is).
-    shutil.rmtree(small / CACHE_DIR, ignore_errors=True)
+    drop_cache(small)
     rows.append(("start-up: `summarize --json`, 2 ranks × 20 steps", *cli("summarize", str(small), "--json", env=env)))
     for label, args in (c for c in commands(run, out) if c[0].startswith(only)):
-        shutil.rmtree(run / CACHE_DIR, ignore_errors=True)
+        drop_cache(run)
         rows.append((f"`{label}`", *cli(*args, env=env)))
         rows.append((f"`{label}`, second read", *cli(*args, env=env)))
     for label, args in window_args(run, first, out) if not only else []:
-        shutil.rmtree(run / CACHE_DIR, ignore_errors=True)
+        drop_cache(run)
         rows.append((f"`{label} --steps` (10 steps)", *cli(*args, env=env)))
     for f in out.glob("*.pftrace"):
         f.unlink()
@@ -432,7 +443,7 @@ def scale_windows(cache: Path, kib: int, env: dict[str, str], out: Path) -> list
         size = sum(p.stat().st_size for p in (run / schema.STRUCTURED_LOGS_DIR).iterdir()) / 2**20
         first = max(2, k * 1024 // (scale_sim.RECORD_BYTES * 11)) // 2
         for label, args in window_args(run, first, out)[:-1]:  # the export window is timed on the main run
-            shutil.rmtree(run / CACHE_DIR, ignore_errors=True)
+            drop_cache(run)
             wall, _, rss = cli(*args, env=env)
             lines.append(f"| `{label} --steps {first}-{first + 9}` | {size:.0f} MB | {wall:.2f} | {rss:.0f} | "
                          f"≤ 2 s: **{'met' if wall <= 2 else 'missed'}** |")
@@ -444,7 +455,7 @@ def targets(args: argparse.Namespace, run: Path, label: str, steps: int) -> None
     out = args.cache / "out"
     out.mkdir(parents=True, exist_ok=True)
     small = generate(args.cache, 2, 20)
-    shutil.rmtree(small / CACHE_DIR, ignore_errors=True)  # the start-up reference reads it fresh, then cached
+    drop_cache(small)  # the start-up reference reads it fresh, then cached
     env = bench_env(args.cache)
     cli("summarize", str(small), "--json", env=env)  # bytecode written before anything is timed
     print(f"start: {time.strftime('%H:%M')}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", file=sys.stderr)

@@ -3,7 +3,7 @@
 Three parts (``--parts``, default all):
 
 * ``repeat``: on the 16-rank x 4000-step run of ``analysis_throughput.py`` (320 MB), each command read
-  first (the run's ``.otel-train-cache/`` removed) and then again: ``summarize``, ``stats``, ``whatif``,
+  first (the run's read cache removed: ``analysis_throughput.drop_cache``) and then again: ``summarize``, ``stats``, ``whatif``,
   ``diff A A`` (each ``--json``) and both exports; the second read is served from the remembered result
   (docs/analysis.md, "Reading"). Also each command after *another* command filled the read cache (its
   own result not remembered yet): what the read cache alone gives.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 
 import analysis_throughput
-from analysis_throughput import CACHE_DIR, bench_env, cli, generate  # noqa: E402 - benchmarks/ on sys.path
+from analysis_throughput import bench_env, cli, drop_cache, generate  # noqa: E402 - benchmarks/ on sys.path
 
 from otel_train import schema
 
@@ -52,7 +51,7 @@ def _spread(values: list[float], fmt: str = ".2f") -> str:
 
 
 def _clear(run: Path) -> None:
-    shutil.rmtree(run / CACHE_DIR, ignore_errors=True)
+    drop_cache(run)
 
 
 def repeat_commands(run: Path, out: Path) -> list[tuple[str, list[str]]]:

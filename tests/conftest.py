@@ -32,6 +32,20 @@ def _children_keep_their_temporary_files_here(tmp_path_factory: pytest.TempPathF
         os.environ["TMPDIR"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _read_cache_in_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The read cache (``$XDG_CACHE_HOME/otel-train``; otel_train/analysis/reading/cache.py) of every
+    command the suite runs lives under this session's pytest directory, not in the user's home."""
+    here = tmp_path_factory.mktemp("xdg")
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(here)
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(autouse=True)
 def _no_leaked_runtime() -> Iterator[None]:
     yield

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from analysis_fixtures import Proc, write_run
 from otel_train import schema
 from otel_train.analysis.reading import cache as C
+from otel_train.analysis.reading.cache_files import bound
 from otel_train.analysis.records import find_process_files
 from otel_train.analysis.spans import Run, load_run
 from otel_train.cli import app
@@ -51,6 +52,13 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return counts
 
 
+def _cdir(run: Path) -> Path:
+    """The run's read cache directory: in this user's cache (the session's XDG_CACHE_HOME), never in the run."""
+    d = C.cache_dir_of(run / schema.STRUCTURED_LOGS_DIR)
+    assert d is not None
+    return d
+
+
 def _active(tmp_path: Path, rank: int = 0) -> Path:
     return find_process_files(tmp_path)[rank].paths[-1]
 
@@ -59,7 +67,7 @@ def test_second_read_is_served_and_equal(tmp_path: Path, monkeypatch: pytest.Mon
     _run(tmp_path)
     counts = _counting(monkeypatch)
     first = load_run(tmp_path)
-    assert (tmp_path / C.CACHE_DIR).is_dir() and counts["misses"] == 2
+    assert _cdir(tmp_path).is_dir() and counts["misses"] == 2
     second = load_run(tmp_path)
     assert counts["hits"] == 2 and _view(second) == _view(first) == _view(load_run(tmp_path, cache=False))
 
@@ -127,7 +135,7 @@ def test_a_changed_file_is_never_served(tmp_path: Path, monkeypatch: pytest.Monk
 def test_a_corrupt_entry_is_ignored_counted_and_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _run(tmp_path)
     want = _view(load_run(tmp_path))
-    entries = sorted((tmp_path / C.CACHE_DIR).glob("*.state"))
+    entries = sorted(_cdir(tmp_path).glob("*.state"))
     assert len(entries) == 2
     entries[0].write_bytes(b"\x80\x05not a pickle at all")
     counts = _counting(monkeypatch)
@@ -139,7 +147,7 @@ def test_a_corrupt_entry_is_ignored_counted_and_rebuilt(tmp_path: Path, monkeypa
 def test_a_symlinked_entry_is_not_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _run(tmp_path)
     load_run(tmp_path)
-    entry = sorted((tmp_path / C.CACHE_DIR).glob("*.state"))[0]
+    entry = sorted(_cdir(tmp_path).glob("*.state"))[0]
     target = tmp_path / "elsewhere"
     entry.rename(target)
     entry.symlink_to(target)
@@ -148,42 +156,36 @@ def test_a_symlinked_entry_is_not_followed(tmp_path: Path, monkeypatch: pytest.M
     assert counts["corrupt"] == 1
 
 
-def test_a_read_only_run_dir_uses_the_user_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if os.getuid() == 0:
-        pytest.skip("root writes into a read-only directory")
+def test_the_cache_is_never_in_the_run_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
     _run(run)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    run.chmod(stat.S_IRUSR | stat.S_IXUSR)
-    try:
-        load_run(run)
-        assert not (run / C.CACHE_DIR).exists()
-        assert list((tmp_path / "xdg" / "otel-train").glob("*/*.state"))
-    finally:
-        run.chmod(0o755)
-
-
-def test_the_user_cache_when_the_run_cache_is_not_ours(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """(As root, a read-only directory is writable: a world-writable cache directory stands in for one
-    this user cannot trust.)"""
-    _run(tmp_path / "run")
-    (tmp_path / "run" / C.CACHE_DIR).mkdir(mode=0o777)
-    os.chmod(tmp_path / "run" / C.CACHE_DIR, 0o777)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    load_run(tmp_path / "run")
-    assert not list((tmp_path / "run" / C.CACHE_DIR).iterdir())
+    load_run(run)
+    assert not (run / C.CACHE_DIR).exists()
     assert len(list((tmp_path / "xdg" / "otel-train").glob("*/*.state"))) == 2
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "xdg" / "otel-train").rglob("*")}
+    assert modes and all(m & 0o077 == 0 for m in modes.values()), modes
+
+
+def test_a_cache_directory_others_can_write_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _run(tmp_path)
+    _cdir(tmp_path).mkdir(parents=True, mode=0o777)
+    os.chmod(_cdir(tmp_path), 0o777)
+    counts = _counting(monkeypatch)
+    want = _view(load_run(tmp_path))
+    assert not list(_cdir(tmp_path).iterdir()) and counts["misses"] == 2
+    assert _view(load_run(tmp_path)) == want and counts["misses"] == 4
 
 
 def test_no_cache_neither_reads_nor_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _run(tmp_path)
     load_run(tmp_path, cache=False)
-    assert not (tmp_path / C.CACHE_DIR).exists()
+    assert not _cdir(tmp_path).exists()
     res = CliRunner().invoke(app, ["summarize", str(tmp_path), "--json", "--no-cache"])
     assert res.exit_code == 0, res.output
-    assert not (tmp_path / C.CACHE_DIR).exists()
+    assert not _cdir(tmp_path).exists()
     res = CliRunner().invoke(app, ["stats", str(tmp_path), "--json"])
-    assert res.exit_code == 0 and (tmp_path / C.CACHE_DIR).is_dir()
+    assert res.exit_code == 0 and _cdir(tmp_path).is_dir()
 
 
 def test_a_torn_last_line_is_not_cached_and_warnings_come_back(tmp_path: Path) -> None:
@@ -192,7 +194,7 @@ def test_a_torn_last_line_is_not_cached_and_warnings_come_back(tmp_path: Path) -
     write_run(tmp_path, procs, torn_tail=True, garbage={5: b"garbage"})
     warnings: list[str] = []
     first = load_run(tmp_path, warn=warnings.append)
-    assert first.malformed_lines == 2 and not list((tmp_path / C.CACHE_DIR).glob("*.state"))
+    assert first.malformed_lines == 2 and not list(_cdir(tmp_path).glob("*.state"))
     logs = tmp_path / schema.STRUCTURED_LOGS_DIR
     path = next(logs.iterdir())
     path.write_bytes(path.read_bytes().rsplit(b"\n", 1)[0] + b"\n")  # the torn line dropped: whole lines
@@ -203,11 +205,13 @@ def test_a_torn_last_line_is_not_cached_and_warnings_come_back(tmp_path: Path) -
 
 
 def test_the_size_bound_drops_the_least_recently_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     _run(tmp_path)
     load_run(tmp_path)
-    entries = sorted((tmp_path / C.CACHE_DIR).glob("*.state"), key=lambda p: p.stat().st_mtime_ns)
+    entries = sorted(_cdir(tmp_path).glob("*.state"), key=lambda p: p.stat().st_mtime_ns)
     os.utime(entries[0], ns=(1, 1))
-    C._bound(tmp_path / C.CACHE_DIR, entries[1].stat().st_size)
+    assert {p.parent for p in C.user_root().glob("*/*.*")} == {_cdir(tmp_path)}  # the whole cache: this run's
+    bound(entries[1].stat().st_size)
     assert not entries[0].exists() and entries[1].exists()
 
 
@@ -248,7 +252,7 @@ def test_a_remembered_result_is_never_served_stale(tmp_path: Path, monkeypatch: 
     calls = _computed(monkeypatch)
     first = _invoke("summarize", str(tmp_path), "--json")
     assert _invoke("summarize", str(tmp_path), "--json") == first and len(calls) == 1  # served
-    assert list((tmp_path / C.CACHE_DIR).glob("*.result"))
+    assert list(_cdir(tmp_path).glob("*.result"))
     path = _rank_file(tmp_path, procs[0])
     data, st = path.read_bytes(), path.stat()
     if change == "appended":
@@ -310,7 +314,7 @@ def test_no_cache_keeps_no_result(tmp_path: Path) -> None:
     for args in (["summarize", "--json"], ["stats", "--json"], ["whatif", "--json"]):
         _invoke(args[0], str(tmp_path), *args[1:], "--no-cache")
     _invoke("export", str(tmp_path), "-o", str(tmp_path / "t.json"), "--no-cache")
-    assert not (tmp_path / C.CACHE_DIR).exists()
+    assert not _cdir(tmp_path).exists()
 
 
 def test_a_diff_is_remembered_for_both_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,7 +378,7 @@ def test_export_fills_the_read_cache_and_plans_from_it(tmp_path: Path, monkeypat
 
     _run(tmp_path, segment=40)
     first = export(tmp_path, "chrome", tmp_path / "a.json")
-    assert len(list((tmp_path / C.CACHE_DIR).glob("*.state"))) == 2  # each process read whole, kept
+    assert len(list(_cdir(tmp_path).glob("*.state"))) == 2  # each process read whole, kept
     counts = _counting(monkeypatch)
     assert _view(load_run(tmp_path)) == _view(load_run(tmp_path, cache=False))
     assert counts["hits"] == 2

@@ -1,35 +1,39 @@
-"""The read cache: each process's decoded state kept beside the run, served only while its files are
-the same bytes (docs/analysis.md, "Reading").
+"""The read cache: each process's decoded state kept in this user's own cache directory, served only
+while its files are the same bytes (docs/analysis.md, "Reading").
 
-Where: ``<save_path>/.otel-train-cache/``, or ``$XDG_CACHE_HOME/otel-train/<hash of the logs path>/``
-(``~/.cache`` without it) when the run directory cannot be written. One entry per process (file
-``<instance>.<source>.<rank>.state``): what the reader made of its segments, and each segment's
-identity when it was read: device, inode, size, ``mtime_ns``, ``ctime_ns`` (which no one can set
-back: a file rewritten in place and its mtime restored still differs), and a CRC of its first and
-last :data:`PRINT_BYTES` read.
+Where: ``$XDG_CACHE_HOME/otel-train/<key>/`` (``~/.cache`` without it), the key a hash of the logs
+directory's resolved path, device and inode. Never in the run directory: an entry is a pickle, and
+nothing a run directory holds (a tarball, a clone, a copy, a shared filesystem) is ever unpickled. One
+entry per process (file ``<instance>.<source>.<rank>.state``): what the reader made of its segments,
+and each segment's identity when it was read: device, inode, size, ``mtime_ns``, ``ctime_ns`` (which
+no one can set back: a file rewritten in place and its mtime restored still differs), and a CRC of its
+first and last :data:`PRINT_BYTES`; a CRC of the whole last segment, and of every segment changed
+within :data:`RACY_NS` of the store (a rewrite in the same timestamp tick keeps its times).
 
-* **Exact**: every segment has the identity it had: the entry is served.
+* **Exact**: every segment has the identity it had (and its whole CRC, where one was kept for a
+  recent change): the entry is served.
 * **Extended**: the segments but the last one read are exact, the last one read (the active file
-  then) is the same inode, no shorter, and its first and last printed bytes are the same: the entry
-  is served and the reader goes on from where it stopped, then reads newer segments.
+  then) is the same inode, longer, and the CRC of the bytes that were read is the same: the entry is
+  served and the reader goes on from where it stopped, then reads newer segments.
 * Anything else (a segment rewritten, truncated, replaced, renamed by a rotation, gone): a miss; the
   process is read again and the entry replaced.
 
 An entry is written only when nothing changed while it was read and the last segment ends with a line
 break (a line being written waits for the next read). Never a failure because of the cache: an
 entry that cannot be read or decoded is ignored, counted (:attr:`Cache.corrupt`) and rebuilt; a cache
-that cannot be written is a silent no-op. Entries are written to an ``O_EXCL | O_NOFOLLOW``
-temporary and renamed; only entries owned by this user in a directory only this user can write are
-read (an entry is a pickle). The directory is bounded (:data:`MAX_BYTES`, ``OTEL_TRAIN_CACHE_MB``):
-past it the least recently used entries go.
+that cannot be written is a silent no-op. Entries are written (0600) to an ``O_EXCL | O_NOFOLLOW``
+temporary and renamed; only entries owned by this user in directories (0700) only this user can
+write are read. The whole cache is bounded (:func:`max_bytes`, ``OTEL_TRAIN_CACHE_MB``; a value that
+is not a finite size is :class:`CacheSettingError`): past it the least recently used entries go.
 
 **Results** (:class:`Recall`): what a command made of a run (a summary, stats, a what-if answer, a
 diff, an export's counts and file), kept in the same directory (``<hash>.result``) under a key of the
 command, its arguments and the code (:func:`code_identity`), with a snapshot (:func:`snapshot`) of
 every input: each logs directory's entries with their identities, every other path the analysis
-declared (:func:`uses`: Flight Recorder dumps) before reading it, and the files it wrote
-(:func:`made`). Served only while every snapshot is the same; kept only when the inputs did not
-change while the command ran.
+declared (:func:`uses`: Flight Recorder dumps, every level below them) before reading it, and the
+files it wrote (:func:`made`). Served only while every snapshot is the same (and the whole CRC of
+each file changed within :data:`RACY_NS` of the keep); kept only when the inputs did not change
+while the command ran.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import os
 import pickle
 import stat
 import sys
-import zlib
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,19 +54,20 @@ from pathlib import Path
 from typing import Any
 
 from otel_train import schema
+from otel_train.analysis.reading.cache_files import (ENTRY_SUFFIXES, PRINT_BYTES, RACY_NS, CacheSettingError, Ident,
+                                                     bound, cache_dir_of, identify, load_entry, max_bytes, private_dir,
+                                                     racy, user_root, whole_crc, write_entry)
 from otel_train.analysis.reading.discovery import ProcessFiles
 
-CACHE_DIR = ".otel-train-cache"
-VERSION = 1
-PRINT_BYTES = 4096
-MAX_BYTES = int(float(os.environ.get("OTEL_TRAIN_CACHE_MB", "512")) * 2**20)
-"""The cache directory's size bound (default 512 MiB)."""
+__all__ = ["CACHE_DIR", "ENTRY_SUFFIXES", "PRINT_BYTES", "RACY_NS", "CacheSettingError", "Ident", "identify",
+           "cache_dir_of", "max_bytes", "user_root", "whole_crc", "Cache", "Hit", "Recall", "TooBig", "snapshot", "uses", "made",
+           "code_identity"]
 
-ENTRY_SUFFIXES = (".state", ".result")
-"""The cache's entries: a process's read state, a command's result."""
+CACHE_DIR = ".otel-train-cache"
+"""Where the cache used to be (beside the run): never read any more (see the module doc)."""
+VERSION = 2
 MAX_ENTRIES = 20_000
 """A snapshot of more directory entries than this is not taken: such a command is not remembered."""
-Ident = tuple[int, int, int, int, int, int, int]  # dev, ino, size, mtime_ns, ctime_ns, head crc, tail crc
 
 
 @dataclass(slots=True)
@@ -73,70 +78,26 @@ class Hit:
     resume: tuple[int, int] | None
 
 
-def _crc(fd: int, start: int, n: int) -> int:
-    return zlib.crc32(os.pread(fd, n, start)) if n > 0 else 0
-
-
-def identify(path: Path) -> tuple[Ident, bool] | None:
-    """A segment's identity now, and whether it ends with a line break; None when it cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        size = st.st_size
-        head = _crc(fd, 0, min(PRINT_BYTES, size))
-        tail = _crc(fd, max(0, size - PRINT_BYTES), min(PRINT_BYTES, size))
-        ends = size == 0 or os.pread(fd, 1, size - 1) == b"\n"
-        return (st.st_dev, st.st_ino, size, st.st_mtime_ns, st.st_ctime_ns, head, tail), ends
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _still(path: Path, old: Ident) -> bool:
-    """Whether the segment at ``path`` is the same inode, no shorter, with the same printed bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        size = old[2]
-        return ((st.st_dev, st.st_ino) == old[:2] and st.st_size >= size and stat.S_ISREG(st.st_mode)
-                and _crc(fd, 0, min(PRINT_BYTES, size)) == old[5]
-                and _crc(fd, max(0, size - PRINT_BYTES), min(PRINT_BYTES, size)) == old[6])
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 class Cache:
-    """One run's cache directory (see the module doc); ``enabled=False`` serves and stores nothing."""
+    """One run's cache directory (see the module doc); ``enabled=False`` serves and stores nothing.
+    Raises :class:`CacheSettingError` (enabled only) for a bad ``OTEL_TRAIN_CACHE_MB``."""
 
     def __init__(self, logs: Path, *, enabled: bool = True) -> None:
         self.logs = Path(logs)
         self.enabled = enabled
+        self.limit = max_bytes() if enabled else 0
         self.hits = self.extended = self.misses = self.corrupt = 0
         self._dir: Path | None = None
         self._tried = False
 
     def directory(self) -> Path | None:
-        """The cache directory, made on first use (0700); None when none can be made."""
+        """The cache directory, made on first use (0700, in a 0700 ``otel-train`` directory); None when
+        none can be made or it is not this user's alone."""
         if not self._tried:
             self._tried = True
-            run = self.logs.parent if self.logs.name == schema.STRUCTURED_LOGS_DIR else self.logs
-            key = hashlib.sha256(str(self.logs.resolve()).encode()).hexdigest()[:16]
-            user = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "otel-train" / key
-            for d in (run / CACHE_DIR, user):
-                if _private_dir(d):
-                    self._dir = d
-                    break
+            d = cache_dir_of(self.logs)
+            if d is not None and private_dir(d.parent, base=True) and private_dir(d):
+                self._dir = d
         return self._dir
 
     def _entry(self, pf: ProcessFiles) -> Path | None:
@@ -147,14 +108,17 @@ class Cache:
         """The entry of ``pf`` when its files allow it (exact or extended), else None (a miss)."""
         if not self.enabled:
             return None
-        entry = self._entry(pf) if self._exists(pf) else None
-        stored = _load(entry) if entry is not None else None
+        entry = self._entry(pf)
+        stored = load_entry(entry) if entry is not None and entry.exists() else None
         if stored is False:
             self.corrupt += 1
         if not isinstance(stored, dict):
             self.misses += 1
             return None
-        hit = _match(pf, stored)
+        try:
+            hit = _match(pf, stored)
+        except Exception:  # noqa: BLE001 - an entry of another shape is a miss, never a failure
+            hit = None
         if hit is None:
             self.misses += 1
         elif hit.resume is None:
@@ -163,108 +127,49 @@ class Cache:
             self.extended += 1
         return hit
 
-    def _exists(self, pf: ProcessFiles) -> bool:
-        d = self.directory()
-        return d is not None and (d / f"{pf.instance}.{pf.source}.{pf.rank}.state").exists()
-
     def store(self, pf: ProcessFiles, before: list[tuple[Ident, bool] | None], payload: Any) -> None:
         """Keep ``payload`` (what the segments made, read between ``before`` and now) when nothing
         changed meanwhile and the last segment ends with a line break."""
         if not self.enabled or not before or any(b is None for b in before) or not before[-1][1]:  # type: ignore[index]
             return
-        if [identify(p) for p in pf.paths] != before:
-            return
+        idents = [b[0] for b in before]  # type: ignore[index]
+        now = time.time_ns()
+        last = len(idents) - 1
+        crcs = [whole_crc(p, i[2]) if k == last or racy(i, now) else None
+                for k, (p, i) in enumerate(zip(pf.paths, idents))]
+        if crcs[last] is None or [identify(p) for p in pf.paths] != before:
+            return  # changed while it was read (or while its CRCs were taken)
         entry = self._entry(pf)
         if entry is None:
             return
         data = pickle.dumps({"v": VERSION, "code": code_identity(), "paths": [p.name for p in pf.paths],
-                             "idents": [b[0] for b in before], "payload": payload},  # type: ignore[index]
-                            protocol=pickle.HIGHEST_PROTOCOL)
-        _write(entry, data)
-        _bound(entry.parent, MAX_BYTES)
+                             "idents": idents, "whole": crcs[last],
+                             "crcs": [c if racy(i, now) else None for c, i in zip(crcs, idents)],
+                             "payload": payload}, protocol=pickle.HIGHEST_PROTOCOL)
+        write_entry(entry, data)
+        bound(self.limit)
 
 
 def _match(pf: ProcessFiles, stored: dict) -> Hit | None:
-    idents = stored.get("idents")
-    if stored.get("v") != VERSION or stored.get("code") != code_identity() \
-            or not isinstance(idents, list) or not idents or len(idents) > len(pf.paths):
+    idents, crcs = stored.get("idents"), stored.get("crcs")
+    if stored.get("v") != VERSION or stored.get("code") != code_identity() or not isinstance(idents, list) \
+            or not idents or len(idents) > len(pf.paths) or not isinstance(crcs, list) or len(crcs) != len(idents):
         return None  # another version of the code pickled another layout of the state: never served
     now = [identify(p) for p in pf.paths[:len(idents)]]
     if any(n is None for n in now):
         return None
-    exact = [n[0] == old for n, old in zip(now, idents)]  # type: ignore[index]
-    if all(exact[:-1]) and exact[-1] and len(idents) == len(pf.paths):
+    last = len(idents) - 1
+    exact = [n[0] == old and (c is None or whole_crc(p, old[2]) == c)  # type: ignore[index]
+             for n, old, c, p in zip(now, idents, crcs, pf.paths)]
+    if all(exact) and len(idents) == len(pf.paths):
         return Hit(stored["payload"], None)
-    if not all(exact[:-1]) or not _still(pf.paths[len(idents) - 1], idents[-1]):
+    if not all(exact[:-1]):
         return None
-    return Hit(stored["payload"], (len(idents) - 1, idents[-1][2]))
-
-
-def _private_dir(d: Path) -> bool:
-    """Make ``d`` (0700) if needed; whether it is a real directory of this user that only it can write."""
-    try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            return False
-        return os.access(d, os.W_OK | os.X_OK)
-    except OSError:
-        return False
-
-
-def _load(entry: Path) -> dict | bool | None:
-    """The stored dict; None when there is none; False when it is unreadable, foreign or corrupt."""
-    try:
-        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return False
-    try:
-        with open(fd, "rb", closefd=True) as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                return False
-            value = pickle.loads(f.read())
-        os.utime(entry, follow_symlinks=False)  # least recently used goes first
-        return value if isinstance(value, dict) else False
-    except Exception:  # noqa: BLE001 - a corrupt entry is a miss, never a failure
-        return False
-
-
-def _write(entry: Path, data: bytes) -> None:
-    tmp = entry.with_name(f".{entry.name}.{os.urandom(6).hex()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return
-    try:
-        with open(fd, "wb", closefd=True) as f:
-            f.write(data)
-        os.replace(tmp, entry)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-
-
-def _bound(d: Path, limit: int) -> None:
-    """Remove the least recently used entries of ``d`` until it holds at most ``limit`` bytes."""
-    try:
-        entries = [(e.stat(follow_symlinks=False), e.path) for e in os.scandir(d)
-                   if e.name.endswith(ENTRY_SUFFIXES)]
-    except OSError:
-        return
-    total = sum(st.st_size for st, _ in entries)
-    for st, path in sorted(entries, key=lambda e: e[0].st_mtime_ns):
-        if total <= limit:
-            break
-        try:
-            os.unlink(path)
-            total -= st.st_size
-        except OSError:
-            pass
+    cur, old = now[last][0], idents[last]  # type: ignore[index]
+    grew = cur[:2] == old[:2] and cur[2] > old[2] and whole_crc(pf.paths[last], old[2]) == stored.get("whole")
+    if not (exact[-1] or grew):
+        return None  # rewritten (same size or not), truncated or replaced: read again
+    return Hit(stored["payload"], (last, old[2]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,12 +180,20 @@ class TooBig(Exception):
     """A snapshot past :data:`MAX_ENTRIES`: the command is not remembered."""
 
 
-def snapshot(path: Path, depth: int = 4, *, logs: bool = False) -> Any:
+def snapshot(path: Path, depth: int | None = None, *, logs: bool = False) -> Any:
     """What ``path`` is now, comparable with ``==``: None when absent; ``("f", ident)`` a regular file
     (:func:`identify`, links followed as the readers follow them); ``("d", entries)`` a directory: its
-    entries' names and snapshots, sorted, ``depth`` levels down (below that, the directory's own
-    times); ``("o", kind)`` anything else. ``logs``: a logs directory, whose subdirectories are left
-    out (the read cache, an export's folder) unless named like a trace file."""
+    entries' names and snapshots, sorted, ``depth`` levels down (below that, the directory's own times);
+    ``depth`` None (what :func:`uses` takes): no cut, every level, so whatever a reader below the path
+    reads is covered (the Flight Recorder reader's ``FR_MAX_DEPTH`` included, whatever it is set to); a
+    directory met again below itself through a link is ``("loop", dev, ino)``; ``("o", kind)`` anything
+    else. ``logs``: a logs directory, whose subdirectories are left out (an export's folder) unless
+    named like a trace file, and those only by their own times. Raises :class:`TooBig` past
+    :data:`MAX_ENTRIES` entries in all (RecursionError past Python's depth)."""
+    return _snap(Path(path), 1 if logs else depth, logs, [MAX_ENTRIES], frozenset())
+
+
+def _snap(path: Path, levels: int | None, logs: bool, budget: list[int], seen: frozenset) -> Any:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -292,21 +205,36 @@ def snapshot(path: Path, depth: int = 4, *, logs: bool = False) -> Any:
         return ("f", got[0]) if got is not None else ("e", 0)
     if not stat.S_ISDIR(st.st_mode):
         return ("o", stat.S_IFMT(st.st_mode))
-    if depth <= 0:
+    if levels is not None and levels <= 0:
         return ("d", st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    if (st.st_dev, st.st_ino) in seen:
+        return ("loop", st.st_dev, st.st_ino)
     try:
         names = sorted(os.listdir(path))
     except OSError as exc:
         return ("e", exc.errno)
-    if len(names) > MAX_ENTRIES:
+    budget[0] -= len(names)
+    if budget[0] < 0:
         raise TooBig(str(path))
+    seen = seen | {(st.st_dev, st.st_ino)}
     entries = []
     for name in names:
-        snap = snapshot(path / name, 0 if logs else depth - 1)
+        snap = _snap(path / name, None if levels is None else levels - 1, False, budget, seen)
         if logs and snap is not None and snap[0] == "d" and not schema.FILE_RE.match(name):
             continue
         entries.append((name, snap))
     return ("d", tuple(entries))
+
+
+def _recent_files(path: Path, snap: Any, now_ns: int) -> Iterator[tuple[Path, int]]:
+    """(path, size) of each regular file in ``snap`` (of ``path``) changed within :data:`RACY_NS` of ``now_ns``."""
+    if not isinstance(snap, tuple) or not snap:
+        return
+    if snap[0] == "f" and racy(snap[1], now_ns):
+        yield path, snap[1][2]
+    elif snap[0] == "d" and len(snap) == 2:
+        for name, sub in snap[1]:
+            yield from _recent_files(path / name, sub, now_ns)
 
 
 @cache
@@ -382,13 +310,15 @@ class Recall:
     def recall(self) -> tuple[Any, list[str]] | None:
         """(result, the warnings it said) when one was kept for these inputs as they are now; else None."""
         entry = self.entry()
-        stored = _load(entry) if entry is not None and entry.exists() else None
+        stored = load_entry(entry) if entry is not None and entry.exists() else None
         if not isinstance(stored, dict) or stored.get("v") != VERSION or stored.get("key") != self.key \
                 or stored.get("code") != code_identity():
             return None
         try:
             if any(snapshot(path, logs=kind == "logs") != snap for kind, path, snap in stored["inputs"]):
                 return None
+            if any(whole_crc(Path(path), size) != crc for path, size, crc in stored["sums"]):
+                return None  # changed within the tick its identity was kept in
             return stored["value"], list(stored["warnings"])
         except Exception:  # noqa: BLE001 - an entry of another shape is a miss, never a failure
             return None
@@ -415,9 +345,13 @@ class Recall:
             if any(snapshot(path, logs=kind == "logs") != snap for kind, path, snap in inputs):
                 return  # an input changed while it was read: the result may be of neither version
             inputs += [("path", path, snapshot(path)) for path in self.outputs]
+            now = time.time_ns()
+            sums = [(str(p), size, whole_crc(p, size)) for _, path, snap in inputs
+                    for p, size in _recent_files(path, snap, now)]
             data = pickle.dumps({"v": VERSION, "key": self.key, "code": code_identity(), "inputs": inputs,
-                                 "value": value, "warnings": list(warnings)}, protocol=pickle.HIGHEST_PROTOCOL)
+                                 "sums": sums, "value": value, "warnings": list(warnings)},
+                                protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 - a result that cannot be kept is computed again next time
             return
-        _write(entry, data)
-        _bound(entry.parent, MAX_BYTES)
+        write_entry(entry, data)
+        bound(self.store.limit)  # type: ignore[union-attr]
