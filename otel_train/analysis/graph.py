@@ -43,7 +43,7 @@ import numpy as np
 
 from otel_train.analysis.clock import Clock
 from otel_train.analysis.graph_chain import Flat, chain, flatten, host_shift
-from otel_train.analysis.graph_joins import Joins, joins
+from otel_train.analysis.graph_joins import Joins, Waits, joins, waits
 from otel_train.analysis.graph_model import (
     ARRIVE, END, EXIT, JOIN, P2P_KEY, PIECE, RESOLUTION_MS, UNTRACED, Graph, Window, _dense, _medians, group_mean,
     unsynchronized,
@@ -58,14 +58,16 @@ __all__ = ["UNTRACED", "Graph", "build", "simulate", "simulate_split", "step_tim
 SYNC_DEFAULT = ("backward",)
 
 
-def _edges(flat: Flat, jn: Joins, P: int, fixed: int
+def _edges(flat: Flat, jn: Joins, wt: Waits, P: int, fixed: int
            ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
     """Edge columns [src, dst, own0, wm0, wi0, own1, wm1, wi1], node kinds, node blocks, and each
     item's node.
 
     Nodes: one per piece (its end) and per cluster of several ops (its exit), then each op's
-    arrival, each op's end (a one-op cluster's item node), each join. An op alone in its cluster has
-    no arrival node: its edges leave the item before it, carrying the lead (its offset is 0)."""
+    arrival, each op's end (a one-op cluster's item node), each join, each rendezvous, each wait. An op
+    alone in its cluster has no arrival node: its edges leave the item before it, carrying the lead (its
+    offset is 0). An item whose lead is a wait (``wt``) follows its wait node instead, with no lead: the
+    wait node is the later of the item before it and the op end waited for (plus the measured ``delta``)."""
     ni, no, nj = flat.i_start.size, flat.o_start.size, jn.block.size
     nr = int((jn.rv_of >= 0).sum())
     arrive, end = ni + np.arange(no), ni + no + np.arange(no)
@@ -81,13 +83,19 @@ def _edges(flat: Flat, jn: Joins, P: int, fixed: int
     same = (prev >= 0) & (flat.i_block[np.maximum(prev, 0)] == flat.i_block)
     from_ = np.where(same, node_of[np.maximum(prev, 0)], -1 - rank)  # the previous item, or the boundary
     lead = np.where(prev >= 0, flat.i_start - flat.i_end[np.maximum(prev, 0)], 0.0)
+    wnode = ni + 2 * no + nj + nr + np.arange(wt.item.size)
+    wait_edges = (np.concatenate([from_[wt.item], wt.node]), np.tile(wnode, 2)) + _fixed_zero(2 * wnode.size, fixed)
+    wait_edges[3][wnode.size:] = wait_edges[4][wnode.size:] = wt.delta
+    from_[wt.item], lead[wt.item] = wnode, 0.0
+    waited = np.zeros(ni, bool)
+    waited[wt.item] = True
     cols = _columns(flat, jn, P, fixed, Nodes(arrive, end, ni + 2 * no + np.arange(nj), from_, node_of, alone,
-                                              ni + 2 * no + nj + np.arange(nr)), lead, rank)
-    edges = [np.concatenate([c[k] for c in cols]) for k in range(8)]
+                                              ni + 2 * no + nj + np.arange(nr), waited), lead, rank)
+    edges = [np.concatenate([c[k] for c in [*cols, wait_edges]]) for k in range(8)]
     kinds = np.concatenate([np.where(flat.i_piece >= 0, PIECE, EXIT), np.full(no, ARRIVE), np.full(no, END),
-                            np.full(nj + nr, JOIN)])
+                            np.full(nj + nr + wnode.size, JOIN)])
     blocks = np.concatenate([flat.i_block, flat.i_block[o_item], flat.i_block[o_item], jn.block,
-                             jn.block[jn.rv_of >= 0]])
+                             jn.block[jn.rv_of >= 0], flat.i_block[wt.item]])
     alive = np.ones(kinds.size, bool)
     alive[item[single]] = False  # a one-op cluster's node is its op's end
     alive[arrive[alone]] = False  # ... and its op's edges leave the item before it
@@ -109,6 +117,7 @@ class Nodes:
     node_of: np.ndarray
     alone: np.ndarray
     rv: np.ndarray  # per rendezvous node (Joins.rv_of) its node
+    waited: np.ndarray  # per item: its lead is a wait (it follows a wait node, with no lead)
 
 
 def _columns(flat: Flat, jn: Joins, P: int, fixed: int, nd: Nodes, lead: np.ndarray, rank: np.ndarray
@@ -116,7 +125,7 @@ def _columns(flat: Flat, jn: Joins, P: int, fixed: int, nd: Nodes, lead: np.ndar
     """The edge columns of :func:`_edges`, by kind of edge."""
     o_item, al, na = flat.o_item, nd.alone, ~nd.alone
     ikey = flat.i_name * (int(flat.i_piece.max(initial=0)) + 2) + flat.i_piece + 1  # (name, piece), compact
-    lead_i = _lead_ideal(ikey, lead, flat.i_prev >= 0)
+    lead_i = _lead_ideal(ikey, lead, (flat.i_prev >= 0) & ~nd.waited)
     piece = flat.i_piece >= 0
     dur = flat.i_end - flat.i_start
     dur_i = np.zeros(dur.size)
@@ -239,7 +248,8 @@ def build(group: Sequence[ProcessState], clock: Clock | None = None, window: Win
     descs = {g.group: g.desc for d in group for g in d.comm_groups.values()}
     t0 = min((d.first_ts for d in group if d.first_ts is not None), default=0.0)
     ros = [rank_ops(d, names, descs, sync, window, clock, 0.0, t0) for d in group]
-    flat = flatten(ros, [chain(ro) for ro in ros])
+    chains = [chain(ro) for ro in ros]
+    flat = flatten(ros, chains)
     if flat.i_start.size == 0:
         return None
     if clock is None:
@@ -250,7 +260,8 @@ def build(group: Sequence[ProcessState], clock: Clock | None = None, window: Win
             flat.o_start, flat.o_end = flat.o_start - shift[orank], flat.o_end - shift[orank]
     jn = joins(flat)
     phases = list(names.phases)
-    edges, kinds, blocks, item_node = _edges(flat, jn, len(phases), len(group) * len(phases))
+    wt = waits(flat)
+    edges, kinds, blocks, item_node = _edges(flat, jn, wt, len(phases), len(group) * len(phases))
     graph = _assemble(flat, edges, blocks, item_node, [d.rank for d in group], phases)
     graph.kind = kinds[np.argsort(np.searchsorted(graph.steps, blocks).astype(np.int16 if graph.steps.size < (1 << 15)
                                                                            else np.int64), kind="stable")]
@@ -261,9 +272,11 @@ def build(group: Sequence[ProcessState], clock: Clock | None = None, window: Win
     timed = jn.waits & (flat.o_key < P2P_KEY) & (flat.o_end - flat.o_start > RESOLUTION_MS)
     graph.early = -jn.transfer[timed]
     graph.collective = {phases[int(i)] for i in np.unique(flat.o_name)}
+    graph.waits, graph.snapped = int(wt.item.size), sum(c.snapped for c in chains)
+    for ro in ros:
+        for why, n in ro.left_out.items():
+            graph.left_out[why] = graph.left_out.get(why, 0) + n
     return graph
-
-
 
 
 def _assemble(flat: Flat, edges: list[np.ndarray], blocks: np.ndarray, item_node: np.ndarray, ranks: list[int],

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from otel_train.analysis.graph_model import P2P_KEY, RESOLUTION_MS, group_median
+from otel_train.analysis.graph_model import P2P_KEY, RESOLUTION_MS, SNAP_MS, group_median
 from otel_train.analysis.graph_ops import RankOps
 
 
@@ -28,6 +28,35 @@ class Chain:
     order: np.ndarray
     detached: np.ndarray  # per sorted op: it ended after the rank's next span began (the thread went on)
     waiter: np.ndarray  # per sorted op: the first piece that began after a detached op ended (-1: none)
+    snapped: int = 0  # comm ops whose overlap with a neighbour (at most SNAP_MS) was snapped
+
+
+def snap(ls: np.ndarray, le: np.ndarray, ro: RankOps) -> int:
+    """Snap the rank's comm ops (in place) where they overlap a neighbour by at most :data:`SNAP_MS`
+    (times from CUDA events on several streams): an op that began just before the leaf it follows
+    ended starts at that end; one that began just before the comm op before it ended, at that end; one
+    that ended just after the next leaf began, ends there. ``ls``, ``le``: the serialised leaves,
+    sorted. Returns how many ops were moved."""
+    cs, ce = ro.c_start, ro.c_end
+    if cs.size == 0:
+        return 0
+    moved = np.zeros(cs.size, bool)
+    if ls.size:
+        i = np.searchsorted(ls, cs, side="right") - 1
+        tail = np.where(i >= 0, le[np.maximum(i, 0)], -np.inf)
+        fix = (tail > cs) & (tail - cs <= SNAP_MS) & (ce > tail + RESOLUTION_MS)  # not a child that ends with it
+        cs[fix], moved[fix] = tail[fix], True
+    order = np.argsort(cs, kind="stable")
+    reach = np.concatenate([[-np.inf], np.maximum.accumulate(ce[order])[:-1]])
+    s_o, e_o = cs[order], ce[order]
+    fix = (reach > s_o) & (reach - s_o <= SNAP_MS) & (e_o > reach + RESOLUTION_MS)
+    cs[order[fix]], moved[order[fix]] = reach[fix], True
+    if ls.size:
+        nxt = np.searchsorted(ls, cs, side="right")
+        head = np.where(nxt < ls.size, ls[np.minimum(nxt, ls.size - 1)], np.inf)
+        fix = (ce > head) & (ce - head <= SNAP_MS)
+        ce[fix], moved[fix] = head[fix], True
+    return int(moved.sum())
 
 
 def _clusters(cs: np.ndarray, ce: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -90,6 +119,7 @@ def chain(ro: RankOps) -> Chain:
         reach = np.maximum.accumulate(le)
         ls = np.maximum(ls, np.concatenate([[-np.inf], reach[:-1]]))
         le = np.maximum(le, ls)
+    snapped = snap(ls, le, ro)
     order = np.argsort(ro.c_start, kind="stable")
     cs, ce = ro.c_start[order], ro.c_end[order]
     nxt = np.searchsorted(ls, cs, side="right")
@@ -114,7 +144,7 @@ def chain(ro: RankOps) -> Chain:
                       else -1, -1)
     return Chain(start[items], np.concatenate([pe, cl_e])[items], block,
                  np.concatenate([ro.l_name[lo][leaf], cl_name])[items],
-                 np.concatenate([piece, np.full(cl_s.size, -1)])[items], where[ps.size + of], order, detached, waiter)
+                 np.concatenate([piece, np.full(cl_s.size, -1)])[items], where[ps.size + of], order, detached, waiter, snapped)
 
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from otel_train.analysis.graph_chain import Flat
-from otel_train.analysis.graph_model import RESOLUTION_MS
+from otel_train.analysis.graph_model import RESOLUTION_MS, WAIT_MS
 
 
 @dataclass(slots=True)
@@ -75,3 +75,55 @@ def _rendezvous(flat: Flat, inv: np.ndarray, m: int, valid: np.ndarray, of: np.n
     return rendezvous, np.where(rendezvous, flat.o_end - both, 0.0), rv_of
 
 
+
+
+WAIT_CANDIDATES = 64
+"""Op ends looked at per gap (the latest ones in its window): enough for thousands of ranks' ops a ms."""
+
+
+@dataclass(slots=True)
+class Waits:
+    """Items whose lead is a wait (docs/analysis.md "Waits"): the item, the node of the op end it waited
+    for (before :func:`graph._edges` renumbers: a piece's item id, or ``ni + no + op`` for an op's end)
+    and the item's start minus that end (ms, within the records' resolution of zero or positive)."""
+
+    item: np.ndarray
+    node: np.ndarray
+    delta: np.ndarray
+
+
+def waits(flat: Flat) -> Waits:
+    """Untraced time (an item's lead) longer than :data:`WAIT_MS` that ends within :data:`WAIT_MS` after
+    (or :data:`RESOLUTION_MS` before) another rank's op end in the same block is a wait on that op; the
+    nearest such end is the one waited for. Candidates: pieces and comm ops (not detached ones: their end
+    is when a recorder looked)."""
+    ni, no = flat.i_start.size, flat.o_start.size
+    prev = flat.i_prev
+    lead = np.where(prev >= 0, flat.i_start - flat.i_end[np.maximum(prev, 0)], 0.0)
+    gap = np.flatnonzero((prev >= 0) & (lead > WAIT_MS))
+    empty = Waits(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0))
+    if gap.size == 0:
+        return empty
+    pieces = np.flatnonzero(flat.i_piece >= 0)
+    ops = np.flatnonzero(~flat.o_detached.astype(bool))
+    c_end = np.concatenate([flat.i_end[pieces], flat.o_end[ops]])
+    c_node = np.concatenate([pieces, ni + no + ops])
+    c_rank = np.concatenate([flat.i_rank[pieces], flat.o_rank[ops]]).astype(np.int64)
+    c_block = np.concatenate([flat.i_block[pieces], flat.i_block[flat.o_item[ops]]])
+    order = np.argsort(c_end, kind="stable")
+    c_end, c_node, c_rank, c_block = c_end[order], c_node[order], c_rank[order], c_block[order]
+    at = flat.i_start[gap]
+    hi = np.searchsorted(c_end, at + RESOLUTION_MS, side="right")
+    lo = np.maximum(np.searchsorted(c_end, at - WAIT_MS, side="left"), hi - WAIT_CANDIDATES)
+    counts = np.maximum(hi - lo, 0)
+    g = np.repeat(np.arange(gap.size), counts)
+    c = np.repeat(hi - np.cumsum(counts), counts) + np.arange(int(counts.sum()))
+    ok = (c_rank[c] != flat.i_rank[gap[g]].astype(np.int64)) & (c_block[c] == flat.i_block[gap[g]])
+    g, c = g[ok], c[ok]
+    if g.size == 0:
+        return empty
+    pick = np.lexsort((np.abs(at[g] - c_end[c]), g))
+    first = np.ones(pick.size, bool)
+    first[1:] = g[pick][1:] != g[pick][:-1]
+    g, c = g[pick][first], c[pick][first]
+    return Waits(gap[g], c_node[c], at[g] - c_end[c])

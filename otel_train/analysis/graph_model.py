@@ -68,6 +68,9 @@ class Graph:
     terms: Any = field(default=None, repr=False)  # the weights' typical sums and deltas (see _weights)
     early: np.ndarray = field(default_factory=lambda: np.empty(0))  # ms each timed collective member ended before its join
     node_level: Any = field(default=None, repr=False)  # every node's level, all blocks at once (see _all_levels)
+    waits: int = 0  # items whose lead is a wait on another rank's op (graph_joins.waits)
+    snapped: int = 0  # comm ops snapped to a neighbour they overlapped by at most SNAP_MS
+    left_out: dict[str, int] = field(default_factory=dict)  # comm ops of the window not used: why -> how many
 
     def unsynchronized(self) -> dict[str, Any] | None:
         """None when the collectives synchronise the ranks; else ``{"ranks", "sync", "share", "early_ms"}``

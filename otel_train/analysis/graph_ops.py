@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -13,6 +13,10 @@ from otel_train.analysis.clock import Clock
 from otel_train.analysis.graph_model import P2P_KEY, UNTRACED, Window
 from otel_train.analysis.spans import NO_STEP, ProcessState
 from otel_train.analysis.stats import columns
+
+
+NO_END = "no end time (unfinished, or a backend that did not time it)"
+NO_SEQ = "no comm.seq (cannot be matched with the other members)"
 
 
 @dataclass(slots=True)
@@ -30,6 +34,7 @@ class RankOps:
     c_key: np.ndarray  # int64 match key (group and seq, or the pair and seq); -1: unmatched
     c_send: np.ndarray  # bool: a send (may end before its recv arrives)
     c_tkey: np.ndarray  # index of (name, group desc, bytes): the typical transfer's key
+    left_out: dict[str, int] = field(default_factory=dict)  # comm ops of the window not used: why -> how many
 
 
 
@@ -103,8 +108,10 @@ def _cat(parts: list[list[np.ndarray]], n: int) -> list[np.ndarray]:
     return [np.concatenate([p[i] for p in parts]) for i in range(n)]
 
 
-def _comm(d: ProcessState, names: Names, descs: dict[str, str], window: Window | None) -> list[np.ndarray]:
-    """(start s, end s, step, name, key, send, tkey) of the process's host-clock comm ops."""
+def _comm(d: ProcessState, names: Names, descs: dict[str, str], window: Window | None,
+          left: dict[str, int]) -> list[np.ndarray]:
+    """(start s, end s, step, name, key, send, tkey) of the process's comm ops (host and device clock);
+    how many of the window's ops cannot be used, and why, into ``left``."""
     log = d.comm
     n = len(log)
     if n == 0:
@@ -114,8 +121,11 @@ def _comm(d: ProcessState, names: Names, descs: dict[str, str], window: Window |
     nbytes, step = np.frombuffer(log.nbytes, np.int64), np.frombuffer(log.step, np.int64)
     codes = np.frombuffer(log.codes, np.uint32).reshape(-1, 6)
     s = log.strings
-    device = s.index(schema.COMM_CLOCK_DEVICE) if schema.COMM_CLOCK_DEVICE in s else -1
-    ok = _in_window(step, window) & ~np.isnan(end) & (codes[:, 4] != device) & (seq >= 0)
+    # Device-clock ops take part like host ones (their times are the device's): docs/analysis.md "Device clocks".
+    inside = _in_window(step, window)
+    ok = inside & ~np.isnan(end) & (seq >= 0)
+    left[NO_END] = int((inside & np.isnan(end)).sum())
+    left[NO_SEQ] = int((inside & ~np.isnan(end) & (seq < 0)).sum())
     used_ops = np.unique(codes[ok, 1])
     op_of = np.zeros(len(s), np.int64)
     op_of[used_ops] = [names.phase(schema.comm_span_name(s[c] or "")) for c in used_ops.tolist()]
@@ -154,7 +164,8 @@ def rank_ops(d: ProcessState, names: Names, descs: dict[str, str], sync: Sequenc
              clock: Clock | None, shift: float, t0: float) -> RankOps:
     """Every op of one process, in ms on the reference clock (``shift``: a host's median offset, s)."""
     (ls, le, lstep, lname), synced = _leaves(d, names, sync, window)
-    cs, ce, cstep, cname, ckey, csend, ctkey = _comm(d, names, descs, window)
+    left: dict[str, int] = {}
+    cs, ce, cstep, cname, ckey, csend, ctkey = _comm(d, names, descs, window, left)
     if synced[0].size:
         # No comm op: the last span of each sync phase per step is the collective (keyed by its step).
         cs, ce, cstep, cname = synced
@@ -162,6 +173,7 @@ def rank_ops(d: ProcessState, names: Names, descs: dict[str, str], sync: Sequenc
         csend = np.zeros(cs.size, bool)
         ctkey = np.array([names.tkey((f"sync:{n}", "", -1)) for n in cname.tolist()], np.int64)
     ms = [_to_ms(x, d, clock, shift, t0) for x in (ls, le, cs, ce)]
-    return RankOps(ms[0], ms[1], lstep, lname, ms[2], ms[3], cstep, cname, ckey, csend, ctkey)
+    return RankOps(ms[0], ms[1], lstep, lname, ms[2], ms[3], cstep, cname, ckey, csend, ctkey,
+                   {k: v for k, v in left.items() if v})
 
 

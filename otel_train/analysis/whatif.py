@@ -34,9 +34,11 @@ import numpy as np
 from otel_train import schema
 from otel_train.analysis import graph
 from otel_train.analysis.clock import Clock
-from otel_train.analysis.comm import CommGraph, run_clock
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run
 from otel_train.analysis.stats import columns, peer_medians
+from otel_train.analysis.whatif_clock import CLOCK_SAMPLE_OPS, CLOCK_SAMPLE_STEPS, _clock, clock_note
+
+__all__ = ["CLOCK_SAMPLE_OPS", "CLOCK_SAMPLE_STEPS", "_clock", "clock_note", "peers", "typical", "whatif"]
 from otel_train.phases import BACKWARD, STEP
 
 SYNC_PHASES = (BACKWARD,)
@@ -320,51 +322,6 @@ def peers(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None = N
     }
 
 
-def _clock(run: Run) -> Clock | None:
-    """The run's clock estimate when it aligns hosts; None (the per-host median shift) for one host,
-    hosts without a shared collective, and ``--no-align``. A run with more than ``CLOCK_SAMPLE_OPS``
-    comm ops whose comm graph is not built yet is estimated from the ops of ``CLOCK_SAMPLE_STEPS``
-    steps spread over the run (building the whole graph costs tens of µs an op)."""
-    if len({d.host for d in run.processes}) < 2:
-        return None
-    if run.graphs is None and sum(len(d.comm) for d in run.processes) > CLOCK_SAMPLE_OPS:
-        clock: Clock | None = _sampled_clock(run)
-    else:
-        clock = next((g.clock for g in run.comm.values() if g.clock is not None), None)
-    return clock if clock is not None and clock.applied else None
-
-
-CLOCK_SAMPLE_OPS = 200_000
-CLOCK_SAMPLE_STEPS = 32
-
-
-def _sampled_clock(run: Run) -> Clock:
-    """The clock estimate (docs/clock.md) from the comm ops of up to ``CLOCK_SAMPLE_STEPS`` steps,
-    evenly spread over the steps the ops carry."""
-    steps = np.unique(np.concatenate([np.frombuffer(d.comm.step, np.int64) for d in run.processes]))
-    steps = steps[steps >= 0]
-    keep = steps[np.linspace(0, steps.size - 1, min(CLOCK_SAMPLE_STEPS, steps.size)).astype(int)] if steps.size else steps
-    graphs: dict[tuple[str, int], CommGraph] = {}
-    for d in run.processes:
-        g = graphs.setdefault((d.source, d.attempt), CommGraph(source=d.source, attempt=d.attempt))
-        for group in d.comm_groups.values():
-            g.add_group(group)
-        g.world = max(g.world, d.world_size or 0, d.rank + 1)
-        g.hosts[d.rank] = d.host
-        for i in np.flatnonzero(np.isin(np.frombuffer(d.comm.step, np.int64), keep)).tolist():
-            g.add(d.comm.op(i, d.rank, d.attempt))
-    return run_clock(run, graphs)
-
-
-def clock_note(run: Run, clock: Clock | None) -> dict[str, Any] | None:
-    """What the replay compared hosts on: None for one host; else ``{"reference", "aligned", "hosts"}``
-    (the hosts' offset rows when aligned by the estimate ``clock``)."""
-    if len({d.host for d in run.processes}) < 2:
-        return None
-    return {"reference": clock.reference if clock else None, "aligned": clock is not None,
-            "hosts": clock.rows() if clock else []}
-
-
 # ---------------------------------------------------------------------------------------------
 # typical: the OSDI '25 method over the dependency graph (otel_train/analysis/graph.py)
 
@@ -516,5 +473,12 @@ def typical(run: Run, sync: Sequence[str] = SYNC_PHASES, window: Window | None =
         "steps": int(rep.steps.size),
         "sync": list(sync),
         "unsynchronized": unsynced,
+        "waits": sum(g.waits for g in gs),
+        "snapped": sum(g.snapped for g in gs),
     }
+    left: dict[str, int] = {}
+    for why, n in (kv for g in gs for kv in g.left_out.items()):
+        left[why] = left.get(why, 0) + n
+    if left:
+        out["left_out"] = {"ops": sum(left.values()), "why": "; ".join(f"{n} with {why}" for why, n in left.items())}
     return out
