@@ -12,7 +12,7 @@ import os
 
 from otel_train.cli._app import app
 
-COMMANDS = ("summarize", "export", "stats", "push", "watch", "whatif", "diff", "query")
+COMMANDS = ("summarize", "export", "stats", "push", "watch", "whatif", "diff", "query", "mcp")
 
 for _name in COMMANDS:
     importlib.import_module(f"{__name__}.{_name}")
