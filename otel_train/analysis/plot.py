@@ -13,8 +13,11 @@ plain text, never parsed as mathtext (docs/analysis.md, "What-if heatmap").
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
+
+from otel_train.analysis.outputs import replacing
 
 SUFFIXES = (".png", ".svg")
 MAX_PHASES = 24
@@ -61,18 +64,15 @@ def _labels(result: dict[str, Any]) -> tuple[list[str], list[str], list[list[flo
 
 def write_heatmap(result: dict[str, Any], path: str | Path) -> Path:
     """Draw the heatmap of ``result`` into ``path`` (``.png`` or ``.svg``); ValueError for another suffix
-    or an answer with nothing to draw, ImportError without matplotlib."""
+    or an answer with nothing to draw (OutputError, one, for a target that is not a regular file),
+    ImportError without matplotlib."""
     path = Path(path)
     if path.suffix.lower() not in SUFFIXES:
         raise ValueError(f"--plot {path}: the heatmap is written as PNG or SVG; name the file *.png or *.svg")
     rows, cols, grid, what = _labels(result)
     if not rows or not cols:
         raise ValueError(f"--plot {path}: no rank and phase to draw (whatif replayed no steps)")
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    from matplotlib import pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(2.4 + 0.75 * len(cols), 1.6 + 0.45 * len(rows)), layout="constrained")
     try:
         image = ax.imshow(grid, cmap="magma", aspect="auto", vmin=1.0, vmax=max(1.0001, max(map(max, grid))))
@@ -84,8 +84,24 @@ def write_heatmap(result: dict[str, Any], path: str | Path) -> Path:
         ax.set_title(f"what-if slowdown ({result.get('method', 'peers')})\nper {what}\n(step {ms.get('actual', 0):.1f} ms, "
                      f"ideal {ms.get('ideal', 0):.1f} ms)", fontsize=9)
         fig.colorbar(image, ax=ax, label="slowdown")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
+        with replacing(path, "--plot") as f:  # never a device, FIFO or folder; 0644 at most, whatever the umask
+            fig.savefig(f, format=path.suffix.lower()[1:])
     finally:
         plt.close(fig)
     return path
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, imported with group and other write taken off the umask:
+    the font cache it makes on first use (``$XDG_CACHE_HOME/matplotlib``) is never group- or
+    world-writable either (docs/reliability.md)."""
+    old = os.umask(0o022)
+    os.umask(old | 0o022)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        from matplotlib import pyplot as plt
+    finally:
+        os.umask(old)
+    return plt

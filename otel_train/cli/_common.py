@@ -84,7 +84,9 @@ def warn(message: str) -> None:
 
 @contextmanager
 def cli_errors() -> Iterator[None]:
-    """Run a command body: TraceReadError and a bad cache setting exit 2, other failures exit 1, each with one line."""
+    """Run a command body: TraceReadError, a bad cache setting and an output target that is not a regular
+    file exit 2, other failures exit 1, each with one line."""
+    from otel_train.analysis.outputs import OutputError
     from otel_train.analysis.reading.cache_files import CacheSettingError
     from otel_train.analysis.records import TraceReadError  # here: --help never loads the reader
 
@@ -94,7 +96,7 @@ def cli_errors() -> Iterator[None]:
         raise
     except TraceReadError as exc:
         fail(str(exc), EXIT_NO_TRACES)
-    except CacheSettingError as exc:  # a bad OTEL_TRAIN_CACHE_MB, met by a command that uses the cache
+    except (CacheSettingError, OutputError) as exc:  # a bad OTEL_TRAIN_CACHE_MB; an output that is no file
         fail(str(exc), 2)
     except BrokenPipeError:
         # Output piped into `head` and closed early: not an error worth a message.

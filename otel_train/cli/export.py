@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -11,6 +12,9 @@ import typer
 from otel_train.cli._app import app
 from otel_train.cli._common import RUN_ID_HELP, byte_progress, cli_errors, fail, note_malformed, select_run, warn
 from otel_train.cli._remember import remembered
+
+STDOUT = "-"
+"""``--output -``: the trace streamed to stdout (otel_train.analysis.outputs.STDOUT)."""
 
 if TYPE_CHECKING:
     from otel_train.analysis.export import ExportResult
@@ -51,7 +55,7 @@ def export(
     output: Optional[Path] = typer.Option(
         None, "--output", "-o",
         help="Output file (default <run>/analysis/structured_trace.json; .pftrace for perfetto; "
-             ".otlp.json for otlp-json).",
+             ".otlp.json for otlp-json); - streams it to stdout. Only a regular file is ever replaced.",
     ),
     fmt: str = typer.Option(
         "chrome", "--format", "-f",
@@ -85,6 +89,13 @@ def export(
             fail(str(exc))
         if fr is not None and not fr.exists():
             warn(f"warning: --fr {fr}: no such file or directory; exporting without Flight Recorder dumps")
+        stream = output is not None and str(output) == STDOUT
+        if stream and sys.stdout.isatty():
+            fail("--output -: stdout is a terminal; pipe it (| gzip > trace.json.gz) or name a file", 2)
+        if output is not None and not stream:
+            from otel_train.analysis.outputs import refuse_special
+
+            refuse_special(output, "--output")  # a device, FIFO or folder: one line, exit 2, before any work
 
         def compute() -> tuple[str, str | None]:
             from otel_train.analysis.export import export as export_run  # here: start-up stays small
@@ -92,8 +103,10 @@ def export(
 
             with byte_progress(path, "exporting") as progress:
                 reader = Reader(warn=warn, progress=progress)
-                done = export_run(path, fmt, output, ranks=rank_set, steps=step_range, reader=reader, fr=fr,
-                                  align=not no_align, cache=not no_cache)
+                done = export_run(path, fmt, sys.stdout.buffer if stream else output, ranks=rank_set,
+                                  steps=step_range, reader=reader, fr=fr, align=not no_align, cache=not no_cache)
+                if stream:
+                    sys.stdout.buffer.flush()
             note_malformed(done.malformed_lines)
             if done.processes == 0:
                 warn("warning: no process matched --ranks; the trace is empty")
@@ -101,14 +114,16 @@ def export(
 
         args = {"format": fmt, "output": output and output.resolve(), "ranks": sorted(rank_set or ()) or None,
                 "steps": step_range, "fr": fr and fr.resolve(), "align": not no_align, "run_id": run_id}
-        wrote, clock_line = remembered("export", [path], args, compute, enabled=not no_cache)  # plain text: no numpy
-        typer.echo(wrote)
-        if clock_line is not None:
-            typer.echo(clock_line)
+        # A stream is never remembered (its bytes are gone once written); its lines go to stderr.
+        wrote, clock_line = compute() if stream else remembered("export", [path], args, compute, enabled=not no_cache)
+        for line in (wrote, clock_line):
+            if line is not None:
+                typer.echo(line, err=stream)
 
 
 def _wrote(result: ExportResult) -> str:
-    return (f"wrote {result.output}: {result.processes} processes, {result.slices} slices, "
+    where = "stdout" if str(result.output) == STDOUT else result.output
+    return (f"wrote {where}: {result.processes} processes, {result.slices} slices, "
             f"{result.instants} instants, {result.counters} counter samples"
             + (f", {result.flows} comm flows" if result.flows else "")
             + (f", {result.dump_ops} ops from Flight Recorder dumps" if result.dump_ops else ""))

@@ -37,6 +37,10 @@ def stats(
     """Per phase x rank timings, per-step breakdown with idle time, straggler scores vs. peers."""
     with cli_errors():
         select_run(run_id)
+        if csv_file is not None:
+            from otel_train.analysis.outputs import refuse_special
+
+            refuse_special(csv_file, "--csv")  # a device, FIFO or folder: one line, exit 2, before any work
 
         def compute() -> dict[str, Any]:
             from otel_train.analysis.stats import compute_stats
@@ -75,12 +79,17 @@ def stats_json(run: Run) -> str:
 
 
 def write_steps_csv(rows: list[dict[str, Any]], path: Path) -> None:
-    """One row per (rank, attempt, step): step_ms, idle_ms and one ``<phase>_ms`` column per phase."""
+    """One row per (rank, attempt, step): step_ms, idle_ms and one ``<phase>_ms`` column per phase; written
+    beside ``path`` and renamed over it (only ever a regular file: otel_train/analysis/outputs.py)."""
     phases: list[str] = []
     for row in rows:
         phases.extend(p for p in row["phases"] if p not in phases)
+    import io
+
+    from otel_train.analysis.outputs import replacing
+
     header = ["source", "rank", "attempt", "step", "step_ms", "idle_ms", *(f"{p}_ms" for p in phases)]
-    with path.open("w", newline="") as f:
+    with replacing(path, "--csv", parents=False) as raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as f:
         out = csv.writer(f)
         out.writerow(header)
         for row in rows:

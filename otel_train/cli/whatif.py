@@ -53,6 +53,10 @@ def whatif(
         if method is not None and method not in METHODS:
             fail(f"--method {method!r}: use peers or typical", 2)
         select_run(run_id)
+        if plot is not None:
+            from otel_train.analysis.outputs import refuse_special
+
+            refuse_special(plot, "--plot")  # a device, FIFO or folder: one line, exit 2, before any work
         phases = [s.strip() for s in sync.split(",") if s.strip()]
 
         def compute() -> dict[str, Any]:
@@ -75,12 +79,13 @@ def whatif(
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:
+    from otel_train.analysis.outputs import OutputError
     from otel_train.analysis.plot import write_heatmap
 
     try:
         warn(f"heatmap: {write_heatmap(result, path)}")
     except ValueError as exc:
-        fail(str(exc))
+        fail(str(exc), 2 if isinstance(exc, OutputError) else 1)
     except ImportError:
         fail(f"--plot {path}: matplotlib is not installed; pip install 'otel-train[analysis]'")
 

@@ -16,6 +16,7 @@ files), and each process the export reads whole is kept in the cache for the com
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
@@ -34,6 +35,7 @@ from otel_train.analysis.clock import Clock
 from otel_train.analysis.export import chrome, perfetto
 from otel_train.analysis.export.flows import CommPlan, ProcessMarks, comm_plan, scan_comm
 from otel_train.analysis.export.layout import Counts, ProcessLayout, layout_process
+from otel_train.analysis.outputs import STDOUT, replacing
 from otel_train.analysis.reading import window
 from otel_train.analysis.reading.cache import Cache, identify, made, uses
 from otel_train.analysis.records import Head, ProcessFiles, Reader, SpanEnd, find_process_files, logs_dir, peek
@@ -91,7 +93,7 @@ def default_output(path: str | Path, fmt: str = "chrome") -> Path:
 def export(
     path: str | Path,
     fmt: str = "chrome",
-    output: str | Path | None = None,
+    output: str | Path | IO[bytes] | None = None,
     *,
     ranks: set[int] | None = None,
     steps: tuple[int, int] | None = None,
@@ -108,35 +110,29 @@ def export(
     collectives (docs/clock.md), each moved record keeping its own time in its args (``raw_ts``);
     False: the raw clocks. ``cache``: use and fill the run's read cache (see the module doc).
 
-    Raises TraceReadError when ``path`` holds no trace files, ValueError for an unknown format. The
-    file is written next to ``output`` and renamed into place, so a failed export leaves no torn file.
+    Raises TraceReadError when ``path`` holds no trace files, ValueError for an unknown format,
+    OutputError for an ``output`` that exists and is not a regular file (a device, FIFO, socket,
+    directory or link: never replaced). The file is written next to ``output`` and renamed into place,
+    so a failed export leaves no torn file; an ``output`` with a ``write`` (stdout) is streamed into.
     ``workers`` (default: CPU count) > 1 renders the processes of a large run in parallel.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}; use one of: {', '.join(FORMATS)}")
     reader = reader if reader is not None else Reader()
-    out = Path(output) if output is not None else default_output(path, fmt)
+    stream = output if output is not None and hasattr(output, "write") else None
+    workers = 1 if stream is not None else workers  # a pool's part files go beside a named output only
+    out = Path(STDOUT) if stream is not None else Path(output) if output is not None else default_output(path, fmt)
     origin = trace_origin(path, ranks)
-    _modes.make_dirs(out.parent)  # 0755 at most, whatever the umask (otel_train._modes)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     plan = CommPlan()
-    try:
-        os.close(_modes.create(tmp))  # made 0644 at most, whatever the umask (otel_train._modes)
-        with tmp.open("wb", buffering=1 << 20) as f:
-            if fmt in _RENDERERS:
-                counts, plan = _rendered(path, fmt, f, origin, ranks, fr, reader, align, steps, workers, cache)
-            else:
-                from otel_train.analysis.export import otlp_json  # the OTel/protobuf stack: only when asked
+    with (contextlib.nullcontext(stream) if stream is not None else replacing(out, "--output")) as f:
+        if fmt in _RENDERERS:
+            counts, plan = _rendered(path, fmt, f, origin, ranks, fr, reader, align, steps, workers, cache)
+        else:
+            from otel_train.analysis.export import otlp_json  # the OTel/protobuf stack: only when asked
 
-                counts = otlp_json.write(iter_processes(path, reader, ranks=ranks, steps=steps), f)
-        os.replace(tmp, out)
+            counts = otlp_json.write(iter_processes(path, reader, ranks=ranks, steps=steps), f)
+    if stream is None:
         made(out)  # a remembered export is served while this file is still the one written (reading/cache.py)
-    except OSError as exc:
-        if exc.filename == str(tmp):  # name the file the user asked for, not our temporary
-            raise OSError(exc.errno, exc.strerror, str(out)) from None
-        raise
-    finally:
-        tmp.unlink(missing_ok=True)
     dump_ops = len(plan.dumps.ops) if plan.dumps is not None else 0
     return ExportResult(*counts, out, reader.malformed_lines, plan.flows, dump_ops, plan.clock)
 
@@ -548,6 +544,6 @@ def _render_task(task: Task) -> tuple[Counts, int, list[str], str | None]:
     lay = _layout(pf, attempt, index, reader, steps, marks=marks, clock=clock, cache=cache, window_plan=window_plan)
     if lay is None:
         return Counts(0, 0, 0, 0), reader.malformed_lines, warnings, None
-    with open(part, "wb", buffering=1 << 20) as out:
+    with open(_modes.create(part), "wb", buffering=1 << 20) as out:  # 0644 at most, whatever the umask
         counts = _RENDERERS[fmt].render(lay, origin_us, out)
     return counts, reader.malformed_lines, warnings, part
