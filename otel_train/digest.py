@@ -23,7 +23,6 @@ from otel_train import _modes, _report
 from otel_train._clock import now_ns
 from otel_train import schema as S
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
-from otel_train.exporters.jsonl.writer import CLOSE_TIMEOUT_S
 from otel_train.sketch import GAMMA
 
 DIGEST_VERSION = 1
@@ -48,12 +47,11 @@ class DigestWriter:
 
     def write(self, sink: JsonlSpanProcessor, sketch: Any, final: bool = False) -> None:
         """Write the digest now, with ``sketch.snapshot()`` as its phases (never raises: a failure is
-        reported once and counted). ``final`` (shutdown): wait for the writer thread as ``close`` does,
-        not the hot path's ``STALL_S``: a busy machine may have a megabyte queued, and the last digest
-        is the one every reader of a finished run uses."""
+        reported once and counted). ``final``: shutdown's (the records are in the kernel as they are
+        made, so there is nothing more to wait for)."""
         self._last = time.monotonic()
         try:
-            point = sink.digest_point(writer_wait_s=CLOSE_TIMEOUT_S if final else None)
+            point = sink.digest_point()
             if point is None:
                 return
             seq, (ino, size), entries = point

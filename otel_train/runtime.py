@@ -39,7 +39,7 @@ from otel_train.errors import ConfigError
 from otel_train.redact import Redactor
 from otel_train.exporters.jsonl.encoder import CallerFinder, RecordEncoder, check_sdk_span_fields, step_context_attrs
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
-from otel_train.exporters.jsonl.writer import QueuedWriter, RotatingFileWriter
+from otel_train.exporters.jsonl.writer import RotatingFileWriter
 from otel_train.exporters.otlp import BoundedBatchSpanProcessor, build_span_processors, shutdown_processors
 from otel_train.handlers import load_handlers
 from otel_train.phases import STEP
@@ -115,7 +115,7 @@ class _Runtime:
         self.pid = os.getpid()
         self.provider: TracerProvider | None = None
         self.jsonl: JsonlSpanProcessor | None = None
-        self.writer: QueuedWriter | None = None
+        self.writer: RotatingFileWriter | None = None
         self.batch_processors: list[BoundedBatchSpanProcessor] = []
         self.other_processors: list[SpanProcessor] = []
         self.record_handlers: list[Any] = []
@@ -337,19 +337,19 @@ def _step_span_starter(tracer: trace.Tracer, ids: StepTraceIdGenerator, ctx: Run
     return start_step_span
 
 
-def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> QueuedWriter:
+def _open_writer(settings: Settings, ctx: RunContext, log_dir: Path) -> RotatingFileWriter:
     name = S.trace_file_name(ctx.source, ctx.rank, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
     _check_own_dirs(settings, log_dir)
     try:
         _modes.make_dirs(log_dir)  # 0755 at most, whatever the umask
-        file = RotatingFileWriter(
+        # Written in the caller's thread: a record is in the kernel when the call that made it returns
+        # (docs/runtime.md, "The write guarantee"); the ticker watches for a write that does not return.
+        return RotatingFileWriter(
             log_dir / name,
             max_bytes=max(1, int(settings.max_file_size_mb * 1024 * 1024)),
             backup_count=settings.backup_count,
             fsync=settings.fsync,
         )
-        # A writer thread of its own: a trace file that stops answering never blocks training (docs/runtime.md).
-        return QueuedWriter(file)
     except (OSError, ValueError) as exc:  # ValueError: a path the OS cannot take (config rejects NUL)
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else _report.safe_str(exc)
         raise ConfigError(f"cannot write trace files in {log_dir!r}: {reason}; "
@@ -461,6 +461,8 @@ def shutdown(timeout_s: float = 5.0) -> None:
         for undo in reversed(rt.undo):
             _quietly(undo)
         jsonl = rt.jsonl
+        if jsonl is not None:
+            jsonl.finish_by(max(deadline, time.monotonic() + SHUTDOWN_FILE_FLOOR_S))  # a stalled write: bounded
         incomplete = jsonl.end_open_spans() if jsonl is not None else 0
         _quietly(shutdown_processors, rt.batch_processors, max(0.0, deadline - time.monotonic()))
         dropped = sum(processor.dropped for processor in rt.batch_processors)
@@ -470,10 +472,9 @@ def shutdown(timeout_s: float = 5.0) -> None:
             _report.report("spans dropped", f"{dropped} span(s) could not be exported (collector unreachable or "
                            "queue full); the JSONL file has them all")
         if jsonl is not None:
-            if rt.writer is not None:
-                # Everything left waits on the writer thread: bounded together, by the deadline (the
-                # exporters may have spent it: the file's last records get FILE_FLOOR_S still).
-                rt.writer.finish_by(max(deadline, time.monotonic() + SHUTDOWN_FILE_FLOOR_S))
+            # Every wait for the write lock from here on (a stalled write holds it) is bounded by the
+            # deadline (the exporters may have spent it: the file's last records get FILE_FLOOR_S still).
+            jsonl.finish_by(max(deadline, time.monotonic() + SHUTDOWN_FILE_FLOOR_S))
             if rt.watchdog is not None:
                 _quietly(rt.watchdog.final_digest)
             _finish_file(jsonl, rt.writer, incomplete, dropped)
@@ -485,7 +486,7 @@ def shutdown(timeout_s: float = 5.0) -> None:
         step_context.reset()  # a later init() is a new session: relative steps count afresh
 
 
-def _finish_file(jsonl: JsonlSpanProcessor, writer: QueuedWriter | None, incomplete: int, dropped: int) -> None:
+def _finish_file(jsonl: JsonlSpanProcessor, writer: RotatingFileWriter | None, incomplete: int, dropped: int) -> None:
     if dropped:
         jsonl.instant(S.INSTANT_SPANS_DROPPED, {"count": dropped})
     if writer is not None and (writer.errors or writer.lost_records):

@@ -38,24 +38,6 @@ def wait_ready(child: subprocess.Popen[str]) -> str:
     return line
 
 
-def wait_on_disk(save_path: Path, records: int) -> None:
-    """Until ``records`` whole lines are in the trace files: the writer thread writes within milliseconds
-    of a record being made, not before ``write`` returns (docs/runtime.md, "What a SIGKILL can lose")."""
-    end = time.monotonic() + TIMEOUT
-    while _lines_on_disk(save_path) < records:
-        assert time.monotonic() < end, f"fewer than {records} records reached the trace files"
-        time.sleep(0.01)
-
-
-def _lines_on_disk(save_path: Path) -> int:
-    """Whole lines in the trace files; 0 when the live writer rotated a segment away between the listing
-    and its read (a fresh-clone run saw ``.10`` renamed to ``.11`` there): the caller counts again."""
-    try:
-        return sum(p.read_bytes().count(b"\n") for paths in trace_segments(save_path) for p in paths)
-    except FileNotFoundError:
-        return 0
-
-
 def _releasing(out: str) -> tuple[float, float]:
     """A child's ``releasing <ns on the records' clock> after <s>`` line, printed while it still holds a
     lock the shutdown needs: what it says is said before SIGTERM can end the process, wherever the
@@ -113,12 +95,19 @@ class Null(SpanExporter):  # ot.init(handlers=[Null]): the SDK path and an expor
 """
 
 
+SELF_KILL_NEST = """
+import os, signal
+import otel_train as ot
+ot.init()
+with ot.training_step(7, epoch=1):
+    with ot.log_trace_span("forward", micro=2):
+        os.kill(os.getpid(), signal.SIGKILL)  # at once: no sleep, no flush, nothing for a writer to catch up in
+"""
+
+
 def test_sigkill_inside_open_spans_leaves_their_start_records(
         tmp_path: Path, traced_env: Callable[..., dict[str, str]], read_records: ReadRecords) -> None:
-    child = spawn(OPEN_NEST.format(before_init=""), traced_env())
-    wait_ready(child)
-    wait_on_disk(tmp_path, 3)
-    child.send_signal(signal.SIGKILL)
+    child = spawn(SELF_KILL_NEST, traced_env())
     finish(child)
     assert child.returncode == -signal.SIGKILL
 
@@ -140,19 +129,21 @@ def test_sigkill_mid_stream_tears_at_most_the_last_line(
         with ot.training_step(i):
             with ot.log_trace_span("forward"):
                 ot.log_trace_scalar({"loss": 1.0 / (i + 1)})
-        if i == 300:
-            print("ready", flush=True)
+        print(i, flush=True)  # step i's five records were made: they are on disk
     """
     # Small segments so the kill may also land around a rotation.
     child = spawn(code, traced_env(OTEL_TRAIN_MAX_FILE_SIZE_MB="0.05", OTEL_TRAIN_BACKUP_COUNT="1000"))
-    wait_ready(child)
-    wait_on_disk(tmp_path, 300 * 5 + 1)
-    child.send_signal(signal.SIGKILL)
-    finish(child)
+    seen = -1
+    while seen < 300:
+        seen = int(child.stdout.readline() or -1)
+        assert seen >= 0 or child.poll() is None, child.stderr.read()
+    child.send_signal(signal.SIGKILL)  # at once: no wait for the records
+    out, _ = finish(child)
     assert child.returncode == -signal.SIGKILL
+    last_step = max([seen, *(int(line) for line in out.split())])
 
     records = read_records(tmp_path, torn_ok=1)
-    assert len(records) > 300 * 5
+    assert len(records) >= 1 + 5 * (last_step + 1)  # process_start and every step the child said it finished
     assert_gapless(records)  # nothing lost before the tail, nothing duplicated across segments
     assert by_kind(records, S.INSTANT)[-1][S.NAME] == S.INSTANT_PROCESS_START  # no process_end: it died
     # Whatever was open at the kill is an unmatched start, at most the step and its forward.
@@ -598,8 +589,7 @@ def test_the_runtimes_threads_never_take_the_processs_signals(
     assert proc.returncode == 0, proc.stderr
     masks = dict(line.split() for line in proc.stdout.splitlines())
     ours = {name: mask for name, mask in masks.items() if name.startswith(("otel_train", "otel-train"))}
-    expected = {"otel_train.writer", "otel_train.file_check", "otel-train-watchdog", "otel_train.sigterm",
-                "otel_train.sigterm-watch"}
+    expected = {"otel_train.file_check", "otel-train-watchdog", "otel_train.sigterm", "otel_train.sigterm-watch"}
     assert expected <= set(ours), masks
     assert all(_blocked(m, signal.SIGTERM) and _blocked(m, signal.SIGINT) for m in ours.values()), ours
     assert not _blocked(masks["MainThread"], signal.SIGTERM), masks

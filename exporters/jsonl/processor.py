@@ -7,6 +7,7 @@ point is that a hung or killed rank's open spans are already on disk.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
@@ -41,16 +42,24 @@ on_behalf = OnBehalf()
 RUNTIME_LOCK_WAIT_S = 1.0
 """The watchdog's records wait at most this long for a write in progress (one blocked on a hung disk
 must not stop the watchdog too); such a record is skipped, counted and reported once."""
+LOCK_WAIT_S = 5.0
+"""A record waits for another thread's record in progress until the writer is judged stalled (``STALL_S``:
+then it is dropped and counted at once), and never longer than this (a record handler that hangs)."""
+LOCK_POLL_S = 0.05
+_monotonic = time.monotonic
 
 
 class JsonlSpanProcessor(SpanProcessor):
     """Writes schema-v1 records to a writer (one ``write`` call per line) and hands them to record handlers.
 
-    ``writer`` is anything with ``write(bytes) -> bool`` and ``close()`` (the runtime's is a QueuedWriter:
-    a write hands the line to a writer thread, so a stalled file never blocks a span; a RotatingFileWriter
-    writes in the caller's thread), or None when only record handlers want the records. Never raises into
-    the caller: an internal fault is reported through ``otel_train._report`` (once per kind, every
-    occurrence counted).
+    ``writer`` is anything with ``write(bytes) -> bool`` and ``close()`` (the runtime's is a
+    RotatingFileWriter: the record is in the kernel when ``write`` returns, docs/runtime.md, "The write
+    guarantee"), or None when only record handlers want the records. Never raises into the caller: an
+    internal fault is reported through ``otel_train._report`` (once per kind, every occurrence counted).
+
+    While another thread's record is being written, a record waits for it; once the writer is
+    ``stalled`` (a write that does not return) it waits no more: it is dropped and counted
+    (``stall_dropped``), never queued.
     """
 
     def __init__(
@@ -84,6 +93,10 @@ class JsonlSpanProcessor(SpanProcessor):
         self._sealed = False  # shutdown has ended the open spans: no new span is written
         self._closed = False  # the last record is written: nothing more is
         self.unencodable = 0  # records that could not be made at all (they have no seq)
+        self.stall_dropped = 0  # records not made: the write lock was held by a stalled write (no seq either)
+        self._stall_dropped_since = 0  # stall_dropped at the last stall notice
+        self._deadline = 0.0  # monotonic; shutdown's bound on every wait for the lock (0.0: none)
+        self._unwritten: set[int] = set()  # spans whose start was dropped: their end is dropped too
         if writer is not None and hasattr(writer, "on_loss"):
             writer.on_loss = self._on_loss
         if writer is not None and hasattr(writer, "on_notice"):
@@ -98,7 +111,34 @@ class JsonlSpanProcessor(SpanProcessor):
     def dropped_records(self) -> int:
         """Records made but not in the file: not encodable, not written, or lost with a deleted file."""
         writer_drops = getattr(self._writer, "dropped_records", 0) if self._writer is not None else 0
-        return self.unencodable + writer_drops
+        return self.unencodable + self.stall_dropped + writer_drops
+
+    def finish_by(self, deadline: float) -> None:
+        """From now on no wait for the lock lasts past ``deadline`` (``time.monotonic()``): shutdown's bound."""
+        self._deadline = deadline
+
+    def _wait_lock(self, what: str, limit_s: float = LOCK_WAIT_S) -> bool:
+        """The lock is busy: wait while the record in progress is being written (True once taken). False,
+        the record dropped and counted, once the writer is stalled or after ``limit_s`` (or shutdown's
+        deadline): a thread stuck in a write never takes the others with it."""
+        lock, start = self._lock, _monotonic()
+        end = start + limit_s
+        if self._deadline:
+            end = min(end, self._deadline)
+        while not self._writer_stalled():
+            if lock.acquire(timeout=max(0.0, min(LOCK_POLL_S, end - _monotonic()))):
+                return True
+            if _monotonic() >= end:
+                break
+        self.stall_dropped += 1
+        _report.report("records dropped: write stalled",
+                       f"{what} record was dropped: another thread's record write has not returned for "
+                       f"{_monotonic() - start:.1f} s (a stalled trace file, docs/runtime.md); such records are "
+                       "counted in process_end.dropped_records")
+        return False
+
+    def _writer_stalled(self) -> bool:
+        return bool(getattr(self._writer, "stalled_since", 0.0))
 
     def holds_lock(self) -> bool:
         """Whether the calling thread is in the middle of writing a record (a signal handler asks)."""
@@ -113,7 +153,11 @@ class JsonlSpanProcessor(SpanProcessor):
             else:
                 caller = ""
             body = self._encoder.span_body(span, state, tid)
-            with self._lock:
+            lock = self._lock
+            if not lock.acquire(False) and not self._wait_lock("a span start"):
+                self._unwritten.add(span._context.span_id)  # its end is dropped too
+                return
+            try:
                 if self._sealed:
                     return  # started while shutdown ran: not traced, like any call after it
                 seq = self._seq + 1
@@ -121,15 +165,25 @@ class JsonlSpanProcessor(SpanProcessor):
                 self._seq = seq
                 self._open[span._context.span_id] = (span, body, state, tid)
                 self._write(line)
+            finally:
+                lock.release()
         except Exception as exc:  # never break training over a trace record
             self._fault("a span start", exc)
 
     def on_end(self, span: ReadableSpan) -> None:
         try:
-            with self._lock:
+            lock = self._lock
+            if not lock.acquire(False) and not self._wait_lock("a span end"):
+                self._open.pop(span._context.span_id, None)  # its start is in the file: a reader sees it open
+                return
+            try:
                 span_id = span._context.span_id
                 entry = self._open.get(span_id)
                 if entry is None:
+                    if span_id in self._unwritten:
+                        self._unwritten.discard(span_id)
+                        self.stall_dropped += 1
+                        return
                     self._end_record(span, None, incomplete=False)
                 else:  # the common case, inline: it runs for every span
                     # Queued before it leaves the open table, so that a look at the table (one dict copy,
@@ -145,6 +199,8 @@ class JsonlSpanProcessor(SpanProcessor):
                     line = self._encoder.span_end(span, entry[1], seq, state=entry[2])
                     self._seq = seq
                     self._write(line)
+            finally:
+                lock.release()
         except Exception as exc:
             self._fault("a span end", exc)
 
@@ -200,8 +256,10 @@ class JsonlSpanProcessor(SpanProcessor):
                      writer_wait_s: float | None = None) -> tuple[int, tuple[int, int], list[OpenEntry]] | None:
         """(seq, the file's (inode, size), the open spans) at one instant, for a digest: taken under the
         write lock (waiting at most ``wait_s``), so the open spans are exactly those the file shows open
-        at that size (a QueuedWriter gives the size once the records up to ``seq`` are written, waiting at
-        most ``writer_wait_s``, by default its ``STALL_S``). None without a file, or while the writer is stalled."""
+        at that size (every record up to ``seq`` is in the kernel; ``writer_wait_s`` is unused). None without
+        a file, or while the writer is stalled."""
+        if self._writer_stalled():
+            return None  # the lock is held by a write that does not return: no digest until it does
         if not self._lock.acquire(timeout=wait_s):
             raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
         try:
@@ -221,8 +279,11 @@ class JsonlSpanProcessor(SpanProcessor):
     def _emit_point(self, encode: Callable[..., bytes], ids: Any, state: StepState, tid: int, caller: str,
                     payload: Mapping[str, Any], wait_s: float = -1) -> None:
         # wait_s >= 0: give up (TimeoutError) rather than wait longer for a write in progress.
-        if not self._lock.acquire(timeout=wait_s):
-            raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
+        if wait_s >= 0:
+            if not self._lock.acquire(timeout=wait_s):
+                raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
+        elif not self._lock.acquire(False) and not self._wait_lock("an instant or scalar"):
+            return
         try:
             if self._closed:
                 return
@@ -240,8 +301,9 @@ class JsonlSpanProcessor(SpanProcessor):
                                               "reason": reason})
 
     def _on_notice(self, attrs: Mapping[str, Any]) -> None:
-        # The writer caught up after a stall: how long it stalled and what it dropped meanwhile.
-        self.instant(S.INSTANT_WRITE_ERRORS, attrs)
+        # The storage answered again after a stall: how long it stalled and what was dropped meanwhile.
+        dropped, self._stall_dropped_since = self.stall_dropped - self._stall_dropped_since, self.stall_dropped
+        self.instant(S.INSTANT_WRITE_ERRORS, {**attrs, "dropped_records": dropped})
 
     def _write(self, line: bytes) -> None:
         # Called with the lock held, so seq order is file order. Handlers first: a write may add a
@@ -265,9 +327,13 @@ class JsonlSpanProcessor(SpanProcessor):
     def end_open_spans(self) -> int:
         """End every still-open span with status ``incomplete`` (innermost first); returns how many.
 
-        From here on no new span is written (instants still are, until :meth:`finish`).
+        From here on no new span is written (instants still are, until :meth:`finish`). Waits for the lock
+        as a record does (bounded by :meth:`finish_by`); without it, returns 0 and writes nothing.
         """
-        with self._lock:
+        if not self._lock.acquire(False) and not self._wait_lock("shutdown's incomplete ends"):
+            self._sealed = True
+            return 0
+        with _Held(self._lock):
             self._sealed = True
             entries = list(reversed(self._open.items()))
             for span_id, (span, *_) in entries:
@@ -303,9 +369,12 @@ class JsonlSpanProcessor(SpanProcessor):
     def finish(self, name: str, attrs: Callable[[int, int], Mapping[str, Any]]) -> None:
         """Write the last record, an instant ``name`` with ``attrs(seq, dropped_records)``, then close.
 
-        One lock hold: no record of any thread can come after it.
+        One lock hold: no record of any thread can come after it. Without the lock (a stalled write
+        holds it past shutdown's deadline) nothing is written: the storage does not answer.
         """
-        with self._lock:
+        if not self._lock.acquire(False) and not self._wait_lock("process_end"):
+            return
+        with _Held(self._lock):
             if self._closed:
                 return
             self._check_file()
@@ -321,7 +390,9 @@ class JsonlSpanProcessor(SpanProcessor):
             self._on_loss(lost[0], lost[1], "trace file deleted")
 
     def shutdown(self) -> None:
-        with self._lock:
+        if not self._lock.acquire(False) and not self._wait_lock("the file's close"):
+            return
+        with _Held(self._lock):
             if self._closed:
                 return
             self._closed = self._sealed = True
@@ -329,11 +400,24 @@ class JsonlSpanProcessor(SpanProcessor):
                 self._writer.close()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        # A RotatingFileWriter has written every record by the time _write returns; a QueuedWriter's
-        # thread has them within microseconds, and flush waits (never on a stalled writer).
-        flush = getattr(self._writer, "flush", None)
-        return bool(flush(timeout_millis / 1000)) if flush is not None else True
+        # Every record is in the kernel by the time _write returns: nothing to flush.
+        return True
 
     def _fault(self, what: str, exc: BaseException) -> None:
         self.unencodable += 1
         _report.report_exception(f"writing {what} record", exc)
+
+
+class _Held:
+    """Releases a lock already taken, at the end of a ``with`` block."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()

@@ -11,6 +11,7 @@ stdout: the run directory, the delay, how the child ended. The test reads the fi
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import random
 import select
@@ -53,7 +54,7 @@ def _emit(label: str, stop: threading.Event) -> None:
         i += 1
 
 
-def child(run: Path, ready_fd: int, sdk: bool) -> None:
+def child(run: Path, ready_fd: int, sdk: bool, page: mmap.mmap) -> None:
     os.chdir(run)  # process_start's git probe finds no repository here, quickly
     handlers = ["killdriver:null_exporter"] if sdk else []
     ot.init(save_path=run, enabled=True, max_file_size_mb=MAX_FILE_SIZE_MB, backup_count=BACKUP_COUNT,
@@ -61,25 +62,31 @@ def child(run: Path, ready_fd: int, sdk: bool) -> None:
     stop = threading.Event()
     for t in range(THREADS):
         threading.Thread(target=_emit, args=(f"t{t}", stop), name=f"emit-{t}", daemon=True).start()
+    made = otel_train.runtime._active.jsonl  # the seq of the last record made (records_written)
     step = 0
     while True:
         with ot.training_step(step):
+            page[:8] = made.records_written.to_bytes(8, "little")  # a memory store, no system call
             with ot.log_trace_span("forward"):
+                page[:8] = made.records_written.to_bytes(8, "little")
                 ot.add_step_tag("even" if step % 2 == 0 else "odd")
+            page[:8] = made.records_written.to_bytes(8, "little")
             if step == 3:
                 os.write(ready_fd, b"r")
+        page[:8] = made.records_written.to_bytes(8, "little")
         step += 1
 
 
 def trial(sig: int, run: Path, rng: random.Random, sdk: bool) -> dict[str, object]:
     run.mkdir(parents=True)
     read_fd, write_fd = os.pipe()
+    page = mmap.mmap(-1, mmap.PAGESIZE)  # shared with the child: the seq every returned call's record is within
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
             os.close(read_fd)
-            child(run, write_fd, sdk)
+            child(run, write_fd, sdk, page)
         except BaseException:  # noqa: BLE001 - report and leave; never return into the driver's loop
             import traceback
 
@@ -105,8 +112,10 @@ def trial(sig: int, run: Path, rng: random.Random, sdk: bool) -> dict[str, objec
         status = None  # the last look said "still running" (0): hung, whatever it then dies of
         os.kill(pid, signal.SIGKILL)  # the test fails on "hung"
         os.waitpid(pid, 0)
+    made = int.from_bytes(page[:8], "little")
+    page.close()
     return {
-        "run": str(run), "sdk": sdk, "ready": bool(ready), "delay": round(delay, 3),
+        "run": str(run), "sdk": sdk, "ready": bool(ready), "delay": round(delay, 3), "made": made,
         "hung": status is None,
         "signal": os.WTERMSIG(status) if status is not None and os.WIFSIGNALED(status) else None,
         "exit": os.WEXITSTATUS(status) if status is not None and os.WIFEXITED(status) else None,

@@ -32,6 +32,7 @@ def run_driver(sig: str, count: int, out: Path) -> list[dict]:
 def test_sigkill_at_random_moments_loses_nothing_written(tmp_path: Path) -> None:
     count = trials(30)
     holds = ("every line whole but at most the last one; seq gapless from 1 across rotated segments; "
+             "every record up to the last one the main thread's returned calls made on disk; "
              "every span end has its start; each segment within max size + one record")
     with reported("SIGKILL at a random moment (3 threads + main, rotation, lean and SDK paths)", holds, count):
         rotated = 0
@@ -43,6 +44,7 @@ def test_sigkill_at_random_moments_loses_nothing_written(tmp_path: Path) -> None
             # A kill can tear the one record being written, and only at the very end.
             assert len(trace.torn) <= 1 and (not trace.torn or trace.torn_tail), (result, trace.torn[:2])
             assert_gapless(trace)
+            assert trace.seqs[-1] >= result["made"], result  # no lost tail: what returned is on disk
             _, orphan_ends = unpaired(trace)
             assert not orphan_ends, result
             longest = max(len(json.dumps(r)) for r in trace.records) + 200
