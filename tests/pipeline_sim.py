@@ -163,6 +163,7 @@ class Truth:
     clean_step_ms: list[float] = field(default_factory=list)
     plan: Plan | None = field(default=None, repr=False)
     zero: bool = False
+    moved: int = 0  # comm ops written with device-stream overlaps (Recording.overlap)
 
     def definition(self, steps: Iterable[int] | None = None) -> float:
         """S as the contract defines the ``typical`` ideal, computed exactly in the simulator: every
@@ -421,8 +422,9 @@ class Simulation:
     """Runs every rank's program against the others'; ``events[rank]`` is its timeline:
     ("step", k, t), ("open", t, name, attrs), ("close", t)."""
 
-    def __init__(self, programs: list[list[tuple]], groups: Groups, start: list[float] | None = None) -> None:
-        self.programs, self.groups = programs, groups
+    def __init__(self, programs: list[list[tuple]], groups: Groups, start: list[float] | None = None,
+                 outside: bool = False) -> None:
+        self.programs, self.groups, self.outside = programs, groups, outside
         n = len(programs)
         self.pc, self.now = [0] * n, list(start) if start is not None else [0.0] * n
         self.events: list[list[tuple]] = [[] for _ in range(n)]
@@ -479,7 +481,9 @@ class Simulation:
             if len(arrived) < len(self.groups.members[gid][1]):
                 return False
             self.done[key] = max(arrived.values()) + ms
-        self._comm(r, name, gid, seq, nbytes, arrived[r], self.done[key])
+        # Recording.waits_outside: a data-parallel op's span begins at the last arrival (the wait is untraced).
+        begin = max(arrived.values()) if self.outside and self.groups.members[gid][0] == "dp" else arrived[r]
+        self._comm(r, name, gid, seq, nbytes, begin, self.done[key])
         return True
 
     def _comm(self, r: int, op: str, gid: str, seq: int, nbytes: int, start: float, end: float,
@@ -513,6 +517,65 @@ class Simulation:
 # Records
 
 
+@dataclass(frozen=True)
+class Recording:
+    """How the job's records are written (the job itself, and its truth, are the same either way):
+
+    * ``untraced_recv``: no ``comm.recv`` span: a recv that waits for its send is untraced time that
+      ends when the send ends (plus the recv's own ``recv_ms``), an idle wait on an untraced dependency;
+    * ``waits_outside``: a data-parallel collective's span begins when its last member arrived (as where
+      the backend's timing starts then): the members' waiting is untraced time that ends when the last
+      member's op before it ended;
+    * ``overlap``: the share of comm ops written with device-stream times: one followed at once by a
+      compute span ends 3-15 us after that span began; one that follows another comm op at once begins
+      up to 0.14 ms before that op ended (CUDA events on several streams);
+    * ``device_clock``: every comm span says ``comm.clock: device``.
+    """
+
+    untraced_recv: bool = False
+    waits_outside: bool = False
+    overlap: float = 0.0
+    device_clock: bool = False
+    seed: int = 0
+
+
+def device_stream(timeline: list[tuple], rng: np.random.Generator, share: float) -> tuple[list[tuple], int]:
+    """One rank's timeline with device-stream overlaps (:class:`Recording` ``overlap``); how many ops moved
+    (each by 3 us at least: more than the records' resolution)."""
+    out, moved = list(timeline), set()
+    for i in range(len(out) - 2):
+        e, close, nxt = out[i], out[i + 1], out[i + 2]
+        if e[0] != "open" or not e[2].startswith(schema.COMM_PREFIX) or close[0] != "close":
+            continue
+        if nxt[0] == "open" and not nxt[2].startswith(schema.COMM_PREFIX) and abs(nxt[1] - close[1]) < 1e-9 \
+                and rng.random() < share:
+            out[i + 1] = ("close", close[1] + rng.uniform(0.003, 0.015))
+            moved.add(i)
+        prev = out[i - 1] if i >= 2 else None
+        if prev is not None and prev[0] == "close" and out[i - 2][0] == "open" and \
+                out[i - 2][2].startswith(schema.COMM_PREFIX) and abs(e[1] - prev[1]) < 1e-9 and rng.random() < share:
+            early = min(rng.uniform(0.003, 0.14), 0.9 * (prev[1] - out[i - 2][1]))
+            out[i] = ("open", e[1] - early, e[2], e[3])
+            moved.add(i)
+    return out, len(moved)
+
+
+def recorded(timeline: list[tuple], rec: Recording) -> list[tuple]:
+    """A rank's timeline as :class:`Recording` ``rec`` writes it (untraced recvs dropped, device clock)."""
+    out, skip = [], False
+    for e in timeline:
+        if skip:
+            skip = False
+            continue
+        if e[0] == "open" and rec.untraced_recv and e[2] == schema.comm_span_name("recv"):
+            skip = True
+            continue
+        if e[0] == "open" and rec.device_clock and e[2].startswith(schema.COMM_PREFIX):
+            e = (*e[:3], {**e[3], schema.ATTR_COMM_CLOCK: schema.COMM_CLOCK_DEVICE})
+        out.append(e)
+    return out
+
+
 class _Proc(Proc):
     """:class:`analysis_fixtures.Proc`, encoding with msgspec (the same compact JSON, faster: benchmarks
     write millions of records)."""
@@ -528,7 +591,9 @@ class RecordSink:
     """The trace files of a simulated job, written step by step (memory holds one step's records):
     what each rank's runtime would have written, one file per rank, 8 ranks a host."""
 
-    def __init__(self, run_dir: Path, layout: Layout, groups: Groups) -> None:
+    def __init__(self, run_dir: Path, layout: Layout, groups: Groups, recording: Recording = Recording()) -> None:
+        self.recording, self.moved = recording, 0
+        self.rng = np.random.default_rng([recording.seed, 3])
         self.logs = Path(run_dir) / schema.STRUCTURED_LOGS_DIR
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs = []
@@ -546,7 +611,10 @@ class RecordSink:
     def write(self, events: list[list[tuple]]) -> None:
         """One step's timelines (:class:`Simulation` ``events``), as records."""
         for p, timeline in zip(self.procs, events):
-            for e in timeline:
+            if self.recording.overlap:
+                timeline, moved = device_stream(timeline, self.rng, self.recording.overlap)
+                self.moved += moved
+            for e in recorded(timeline, self.recording):
                 if e[0] == "step":
                     p.now_ms = e[2]
                     p.set_step(e[1])
@@ -582,7 +650,7 @@ def run_steps(plan: Plan, groups: Groups, clean: bool, zero: bool, sink: RecordS
     now, ends = [0.0] * n, [0.0]
     for step in range(plan.steps):
         programs = [step_program(plan, groups, r, step, clean, zero, seqs[r]) for r in range(n)]
-        sim = Simulation(programs, groups, now).run()
+        sim = Simulation(programs, groups, now, sink is not None and sink.recording.waits_outside).run()
         now = sim.now
         ends.append(max(now))
         if sink is not None:
@@ -608,7 +676,7 @@ def truth_top(plan: Plan, cause: Cause | None) -> Any:
 
 def write_job(path: str | Path, *, dp: int = 2, pp: int = 4, tp: int = 2, steps: int = 4, microbatches: int = 8,
               schedule: str = "1f1b", cause: str | Cause | None = None, seed: int = 0, chunks: int | None = None,
-              costs: Costs | None = None, zero: bool | None = None) -> Truth:
+              costs: Costs | None = None, zero: bool | None = None, recording: Recording = Recording()) -> Truth:
     """Simulate the job (and its clean twin), write its trace files under ``path``; returns the truth.
 
     ``chunks`` defaults to 2 for ``interleaved`` (1 otherwise); ``zero`` (reduce_scatter + all_gather
@@ -620,11 +688,12 @@ def write_job(path: str | Path, *, dp: int = 2, pp: int = 4, tp: int = 2, steps:
     zero = (cz is not None and cz.kind == "collective" and cz.op != "all_reduce") if zero is None else zero
     plan = Plan(layout, steps, costs or Costs(), cz, seed)
     groups = make_groups(layout)
-    sink = RecordSink(Path(path), layout, groups)
+    sink = RecordSink(Path(path), layout, groups, recording)
     try:
         actual = run_steps(plan, groups, False, zero, sink)
     finally:
         sink.close()
     ideal = run_steps(plan, groups, True, zero)
     mean_a, mean_i = float(np.mean(actual)), float(np.mean(ideal))
-    return Truth(layout, cz, steps, mean_a, mean_i, mean_a / mean_i, truth_top(plan, cz), actual, ideal, plan, zero)
+    return Truth(layout, cz, steps, mean_a, mean_i, mean_a / mean_i, truth_top(plan, cz), actual, ideal, plan, zero,
+                 sink.moved)

@@ -20,6 +20,7 @@ from pipeline_sim import (
     Cause,
     Costs,
     Layout,
+    Recording,
     Truth,
     make_groups,
     schedule_units,
@@ -31,7 +32,8 @@ from otel_train import schema
 from otel_train.analysis.spans import load_run
 
 S_TOLERANCE = 0.03
-"""Issue 17: S within +-3 % of the truth."""
+"""Issues 17 and 42: S within +-3 % of the truth, the published method's answer (OSDI '25: every op at
+its typical time, launch gaps and waits zero) computed by the simulator itself (Truth.definition)."""
 SHARE_TARGET = 0.9
 """Issue 17: shares.worker >= 0.9 for one slow worker, shares.last_stage >= 0.9 for stage imbalance."""
 MAJORITY = 0.5
@@ -47,17 +49,15 @@ BIG = ("1f1b", "worker", (4, 4, 4, 8), 99)
 STEPS = 4
 
 DEFINITION_TOLERANCE = 0.01
-"""Our S against the contract's definition replayed exactly (Truth.definition), in every case: the
+"""Our S against the published answer replayed exactly (Truth.definition), in every case: the
 implementation's own error (a recv's bimodal transfer gave 1-1.6 % before the recv joined its send's end)."""
-DEFINITION: dict[tuple[str, str | None, tuple[int, int, int, int]], str] = {
-    ("gpipe", "worker", (2, 3, 2, 6)): "S 1.252 vs truth 1.292 (-3.1 %); the definition replayed exactly: 1.252",
-    ("interleaved", "worker", (2, 4, 1, 8)): "S 1.162 vs truth 1.226 (-5.2 %); the definition replayed exactly: 1.162",
+MEAN_HOLDS_THE_WORKER: dict[tuple[str, str | None, tuple[int, int, int, int]], str] = {
+    ("gpipe", "worker", (2, 3, 2, 6)): "published S 1.252 vs the clean twin's 1.292 (-3.1 %)",
+    ("interleaved", "worker", (2, 4, 1, 8)): "published S 1.162 vs the clean twin's 1.226 (-5.2 %)",
 }
-"""Cases that miss the S target only because of the contract's definition: (schedule, cause, size) ->
-the numbers. The typical duration of an op is the MEAN over all ranks (OSDI '25), the slow worker's
-included: with N ranks the ideal keeps (1.5 - 1)/N of its slowdown in every compute op, so S reads
-low (docs/analysis.md 'Simulator'). These cases are checked against ``Truth.definition()`` (every
-other target as usual) and their miss of the truth is recorded by an xfail(strict) test."""
+"""Cases whose published answer is more than 3 % below the job without its cause (the clean twin): the
+typical duration of an op is the MEAN over all ranks (OSDI '25), the slow worker's included, so with N
+ranks the ideal keeps (1.5 - 1)/N of its slowdown in every compute op (docs/analysis.md 'Simulator')."""
 
 
 def attribution(out: dict[str, Any]) -> Any:
@@ -86,26 +86,23 @@ def typical(path: Path) -> dict[str, Any]:
     return whatif(load_run(path, warn=pytest.fail), method="typical")
 
 
-def check(out: dict[str, Any], truth: Truth, definition: bool = False) -> None:
-    """Issue 17's targets for one case, with every number in the message when one is missed; S within
-    1 % of the contract's definition replayed exactly. ``definition``: S is not held to the truth, the
-    definition being itself more than 3 % off it (asserted: else the case is an ordinary one)."""
+def check(out: dict[str, Any], truth: Truth) -> None:
+    """The targets for one case, with every number in the message when one is missed: S within 3 %
+    (and within 1 %: the implementation's own error) of the published answer the simulator computes,
+    the replay of the run's own durations equal to its measured step, the cause named, the shares."""
     steps = [int(k) for k in out["per_step"]]
-    got, want, oracle = out["slowdown"], truth.over(steps), truth.definition(steps)
+    got, twin, want = out["slowdown"], truth.over(steps), truth.definition(steps)
     actual = float(np.mean([truth.step_ms[k] for k in steps]))
     seen = attribution(out)
-    detail = (f"S {got:.4f} vs truth {want:.4f} (actual {out['step_ms']['actual']:.2f} / ideal "
-              f"{out['step_ms']['ideal']:.2f} ms; truth {actual:.2f} / {actual / want:.2f}, steps {steps}; "
-              f"the contract's definition replayed exactly: {oracle:.4f}); "
+    detail = (f"S {got:.4f} vs truth {want:.4f} (the published answer computed by the simulator; the clean "
+              f"twin's {twin:.4f}; actual {out['step_ms']['actual']:.2f} / ideal {out['step_ms']['ideal']:.2f} ms; "
+              f"truth {actual:.2f} / {actual / want:.2f}, steps {steps}); "
               f"named {seen!r}, truth {truth.top!r}; shares {out['shares']}; "
               f"top ranks {sorted(out['by_rank'], key=lambda r: -r['slowdown'])[:3]}; "
               f"top phases {sorted(out['by_phase'], key=lambda r: -r['slowdown'])[:3]}")
     assert out["method"] == "typical", detail
-    assert abs(got / oracle - 1.0) <= DEFINITION_TOLERANCE, detail  # the implementation's own error
-    if definition:
-        assert abs(oracle / want - 1.0) > S_TOLERANCE, "the definition meets the target: " + detail
-    else:
-        assert abs(got / want - 1.0) <= S_TOLERANCE, detail
+    assert abs(got / want - 1.0) <= S_TOLERANCE, detail
+    assert abs(got / want - 1.0) <= DEFINITION_TOLERANCE, detail  # the implementation's own error
     assert len(steps) >= STEPS - 1, detail
     assert out["step_ms"]["actual"] == pytest.approx(actual, rel=1e-3), detail  # its own durations: the run
     if truth.cause is None:
@@ -145,22 +142,21 @@ def _id(schedule: str, cause: str | None, size: tuple[int, int, int, int], seed:
 @pytest.mark.parametrize("schedule,cause,size,seed", [pytest.param(*c, id=_id(*c)) for c in [*CASES, BIG]])
 def test_typical_finds_the_injected_cause(solve: Callable[[Case], tuple[dict[str, Any], Truth]], schedule: str,
                                           cause: str | None, size: tuple[int, int, int, int], seed: int) -> None:
-    """Every target; S against the definition where only the definition misses the truth (DEFINITION)."""
+    """Every target, in every case (the two slow-worker cases of MEAN_HOLDS_THE_WORKER included)."""
     out, truth = solve((schedule, cause, size, seed))
-    check(out, truth, definition=(schedule, cause, size) in DEFINITION)
+    check(out, truth)
 
 
 @pytest.mark.parametrize("schedule,cause,size,seed", [
-    pytest.param(*c, id=_id(*c), marks=pytest.mark.xfail(strict=True, reason=DEFINITION[c[:3]]))
-    for c in [*CASES, BIG] if c[:3] in DEFINITION])
-def test_typical_s_within_target_of_the_truth_despite_the_definition(
+    pytest.param(*c, id=_id(*c)) for c in [*CASES, BIG] if c[:3] in MEAN_HOLDS_THE_WORKER])
+def test_the_published_answer_keeps_part_of_a_slow_worker_in_its_ideal(
         solve: Callable[[Case], tuple[dict[str, Any], Truth]], schedule: str, cause: str | None,
         size: tuple[int, int, int, int], seed: int) -> None:
-    """The S target against the truth itself for the DEFINITION cases: missed (the mean holds the
-    slow worker), recorded as strict xfails so that a change of the definition shows up."""
+    """The published answer (the truth above) against the job without its cause: more than 3 % below it
+    where the mean holds the straggler (MEAN_HOLDS_THE_WORKER); a change of the definition shows up here."""
     out, truth = solve((schedule, cause, size, seed))
-    want = truth.over([int(k) for k in out["per_step"]])
-    assert abs(out["slowdown"] / want - 1.0) <= S_TOLERANCE, f"S {out['slowdown']:.4f} vs truth {want:.4f}"
+    steps = [int(k) for k in out["per_step"]]
+    assert truth.definition(steps) < truth.over(steps) * (1.0 - S_TOLERANCE), MEAN_HOLDS_THE_WORKER[(schedule, cause, size)]
 
 
 def test_typical_survives_microsecond_p2p_ops(tmp_path: Path) -> None:
@@ -172,6 +168,41 @@ def test_typical_survives_microsecond_p2p_ops(tmp_path: Path) -> None:
     steps = [int(k) for k in out["per_step"]]
     assert out["step_ms"]["actual"] == pytest.approx(np.mean([truth.step_ms[k] for k in steps]), rel=1e-3)
     assert abs(out["slowdown"] / truth.over(steps) - 1.0) <= S_TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 42: the patterns of production traces, each with the simulator's own published answer as truth
+
+PATTERNS = [  # (id, schedule, cause, (dp, pp, tp, microbatches), seed, how the records are written)
+    ("untraced-recv-worker", "1f1b", "worker", (2, 4, 1, 8), 3, Recording(untraced_recv=True)),
+    ("untraced-recv-last_stage", "1f1b", "last_stage", (2, 4, 2, 8), 4, Recording(untraced_recv=True)),
+    ("waits-outside-worker", "1f1b", "worker", (4, 4, 1, 8), 5, Recording(waits_outside=True)),
+    ("waits-outside-worker-gpipe", "gpipe", "worker", (2, 3, 2, 6), 6, Recording(waits_outside=True)),
+    ("overlap-worker", "1f1b", "worker", (2, 4, 2, 8), 7, Recording(overlap=0.4, seed=7)),
+    ("overlap-last_stage", "interleaved", "last_stage", (2, 4, 1, 8), 8, Recording(overlap=0.4, seed=8)),
+    ("device-clock-worker", "1f1b", "worker", (2, 4, 1, 8), 9, Recording(device_clock=True)),
+    ("device-clock-seqlen", "1f1b", "seqlen", (2, 4, 1, 8), 10, Recording(device_clock=True)),
+]
+
+
+@pytest.mark.parametrize("schedule,cause,size,seed,recording", [pytest.param(*c[1:], id=c[0]) for c in PATTERNS])
+def test_typical_holds_on_production_patterns(tmp_path: Path, schedule: str, cause: str,
+                                              size: tuple[int, int, int, int], seed: int, recording: Recording) -> None:
+    """Idle waits outside spans (an untraced recv; a data-parallel collective whose span begins at its last
+    arrival, so a slow worker's stage peers wait for it untraced), device-stream overlaps (comm/compute
+    3-15 us, comm/comm up to 0.14 ms) and device-clock comm ops: every target against the published
+    answer the simulator computes; before issue 42 these gave S 0.98-1.05 against truths of 1.12-1.25."""
+    dp, pp, tp, m = size
+    truth = write_job(tmp_path / "run", dp=dp, pp=pp, tp=tp, steps=STEPS, microbatches=m, schedule=schedule,
+                      cause=cause, seed=seed, recording=recording)
+    out = typical(tmp_path / "run")
+    check(out, truth)
+    assert "left_out" not in out  # every op used, the device-clock ones included
+    assert any(r["phase"].startswith(schema.COMM_PREFIX) for r in out["by_phase"])
+    if recording.untraced_recv or recording.waits_outside:
+        assert out["waits"] > 0
+    assert out["snapped"] == truth.moved  # each op written with an overlap, snapped; none other
+    assert (truth.moved > 0) == (recording.overlap > 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -84,8 +84,9 @@ def _edges(flat: Flat, jn: Joins, wt: Waits, P: int, fixed: int
     from_ = np.where(same, node_of[np.maximum(prev, 0)], -1 - rank)  # the previous item, or the boundary
     lead = np.where(prev >= 0, flat.i_start - flat.i_end[np.maximum(prev, 0)], 0.0)
     wnode = ni + 2 * no + nj + nr + np.arange(wt.item.size)
-    wait_edges = (np.concatenate([from_[wt.item], wt.node]), np.tile(wnode, 2)) + _fixed_zero(2 * wnode.size, fixed)
-    wait_edges[3][wnode.size:] = wait_edges[4][wnode.size:] = wt.delta
+    w = np.concatenate([np.zeros(wnode.size), wt.delta])  # the item before: no lead; the op end: + delta
+    wait_edges = (np.concatenate([from_[wt.item], wt.node]), np.tile(wnode, 2), np.full(w.size, fixed), w, w,
+                  *_fixed_zero(w.size, fixed)[3:])
     from_[wt.item], lead[wt.item] = wnode, 0.0
     waited = np.zeros(ni, bool)
     waited[wt.item] = True

@@ -32,8 +32,8 @@ class Chain:
 
 
 def snap(ls: np.ndarray, le: np.ndarray, ro: RankOps) -> int:
-    """Snap the rank's comm ops (in place) where they overlap a neighbour by at most :data:`SNAP_MS`
-    (times from CUDA events on several streams): an op that began just before the leaf it follows
+    """Snap the rank's comm ops (in place) where they overlap a neighbour by more than the records'
+    resolution and at most :data:`SNAP_MS` (times from CUDA events on several streams): an op that began just before the leaf it follows
     ended starts at that end; one that began just before the comm op before it ended, at that end; one
     that ended just after the next leaf began, ends there. ``ls``, ``le``: the serialised leaves,
     sorted. Returns how many ops were moved."""
@@ -44,17 +44,17 @@ def snap(ls: np.ndarray, le: np.ndarray, ro: RankOps) -> int:
     if ls.size:
         i = np.searchsorted(ls, cs, side="right") - 1
         tail = np.where(i >= 0, le[np.maximum(i, 0)], -np.inf)
-        fix = (tail > cs) & (tail - cs <= SNAP_MS) & (ce > tail + RESOLUTION_MS)  # not a child that ends with it
+        fix = (tail > cs + RESOLUTION_MS) & (tail - cs <= SNAP_MS) & (ce > tail + RESOLUTION_MS)  # not a child ending with it
         cs[fix], moved[fix] = tail[fix], True
     order = np.argsort(cs, kind="stable")
     reach = np.concatenate([[-np.inf], np.maximum.accumulate(ce[order])[:-1]])
     s_o, e_o = cs[order], ce[order]
-    fix = (reach > s_o) & (reach - s_o <= SNAP_MS) & (e_o > reach + RESOLUTION_MS)
+    fix = (reach > s_o + RESOLUTION_MS) & (reach - s_o <= SNAP_MS) & (e_o > reach + RESOLUTION_MS)
     cs[order[fix]], moved[order[fix]] = reach[fix], True
     if ls.size:
         nxt = np.searchsorted(ls, cs, side="right")
         head = np.where(nxt < ls.size, ls[np.minimum(nxt, ls.size - 1)], np.inf)
-        fix = (ce > head) & (ce - head <= SNAP_MS)
+        fix = (ce > head + RESOLUTION_MS) & (ce - head <= SNAP_MS)
         ce[fix], moved[fix] = head[fix], True
     return int(moved.sum())
 
