@@ -113,6 +113,18 @@ class _Receiver:
         self._spans: list[dict[str, Any]] = []
         self._headers: list[dict[str, str]] = []
         self._trace_bytes: dict[str, int] = {}
+        self.reject: str | None = None
+        """Set to a message: every answer is a success that rejects every span of its request
+        (``partial_success.rejected_spans``, ``error_message``), as a backend that drops what it cannot store."""
+
+    def reply(self, request: trace_service_pb2.ExportTraceServiceRequest) -> trace_service_pb2.ExportTraceServiceResponse:
+        """The answer to ``request``: empty (all accepted), or its spans rejected when :attr:`reject` is set."""
+        answer = trace_service_pb2.ExportTraceServiceResponse()
+        if self.reject is not None:
+            answer.partial_success.rejected_spans = sum(len(s.spans) for r in request.resource_spans
+                                                        for s in r.scope_spans)
+            answer.partial_success.error_message = self.reject
+        return answer
 
     def _record(self, request: trace_service_pb2.ExportTraceServiceRequest, headers: dict[str, str]) -> None:
         spans, sizes = flatten(request), trace_sizes(request)
@@ -165,7 +177,7 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
     def Export(self, request, context):  # noqa: N802 - the gRPC method name
         headers = {key.lower(): value for key, value in context.invocation_metadata() if isinstance(value, str)}
         self._receiver._record(request, headers)
-        return trace_service_pb2.ExportTraceServiceResponse()
+        return self._receiver.reply(request)
 
 
 class GrpcOtlpReceiver(_Receiver):
@@ -211,7 +223,7 @@ class _HttpHandler(BaseHTTPRequestHandler):
             self.send_error(400, "body is not an ExportTraceServiceRequest")
             return
         self.server.receiver._record(request, {k.lower(): v for k, v in self.headers.items()})
-        reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+        reply = self.server.receiver.reply(request).SerializeToString()
         self.send_response(200)
         self.send_header("Content-Type", "application/x-protobuf")
         self.send_header("Content-Length", str(len(reply)))

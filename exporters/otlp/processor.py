@@ -69,7 +69,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     ``dropped`` counts spans lost to a full queue, a failed export, or abandonment at shutdown;
     ``exported`` counts spans the exporter acknowledged with a success status (a redirect is a failed
-    export: see ``wiring.RedirectRefusal``). Spans a ``sampler`` rejects are neither.
+    export: see ``wiring.RedirectRefusal``) and the collector did not reject in that answer (OTLP
+    ``partial_success``: rejected spans are dropped, see ``otel_train._otlp_partial``). Spans a
+    ``sampler`` rejects are neither.
     Export failures are reported once per exporter (``otel_train._report``); later ones are only counted.
     """
 
@@ -244,22 +246,46 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 batch = [self._queue.popleft() for _ in range(count)]
                 self._in_flight = count
             ok = self._export(batch)
+            rejected, why = self._rejected(count) if ok else (0, "")
             with self._lock:
                 self._in_flight = 0
                 if self._abandoned:
                     return  # shutdown already counted this batch as dropped
                 if ok:
-                    self.exported += count
+                    self.exported += count - rejected
+                    self.dropped += rejected
                 else:
                     self.dropped += count
             if not ok:
                 self._report_failure(count)
+            elif rejected:
+                self._report_rejected(rejected, count, why)
 
     def _export(self, batch: list[ReadableSpan]) -> bool:
         try:
             return self.exporter.export(batch) is SpanExportResult.SUCCESS
         except Exception:  # noqa: BLE001 - an exporter bug must not kill the worker
             return False
+
+    def _rejected(self, count: int) -> tuple[int, str]:
+        """Spans of a successful export the collector still rejected (OTLP ``partial_success``, counted by
+        ``otel_train._otlp_partial`` through ``wiring``), at most ``count``, and its message."""
+        take = getattr(self.exporter, "_otel_train_rejections", None)
+        if not callable(take):
+            return 0, ""
+        try:
+            rejected, why = take()
+        except Exception:  # noqa: BLE001 - counting must not kill the worker
+            return 0, ""
+        return min(max(int(rejected), 0), count), str(why)
+
+    def _report_rejected(self, rejected: int, count: int, why: str) -> None:
+        name = type(self.exporter).__name__
+        _report.report(
+            f"otlp rejected:{name}",
+            f"the collector answered success for {count} spans and rejected {rejected} of them (OTLP partial_success"
+            + (f": {why}" if why else "") + "); they are dropped and counted (otel_train.spans_dropped at shutdown)",
+        )
 
     def _report_failure(self, count: int) -> None:
         # Why, when the exporter can say (otel_train.exporters.otlp.wiring.RedirectRefusal): a redirect.

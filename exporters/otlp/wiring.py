@@ -24,6 +24,7 @@ from opentelemetry.sdk.environment_variables import (
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 from opentelemetry.sdk.trace.sampling import Sampler
 
+from otel_train._otlp_partial import count_rejections
 from otel_train.errors import ConfigError
 from otel_train.exporters.otlp.processor import BoundedBatchSpanProcessor
 from otel_train.redact import REDACTED, RedactingFilter, strip_userinfo
@@ -226,6 +227,9 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
                 guard = refuse_redirects(exporter)
                 if guard is not None:
                     exporter._otel_train_explain = guard.take  # type: ignore[attr-defined]
+            rejections = count_rejections(exporter)  # partial_success: rejected spans count as dropped
+            if rejections is not None:
+                exporter._otel_train_rejections = rejections.take  # type: ignore[attr-defined]
             return exporter
     except ConfigError:
         raise

@@ -9,7 +9,8 @@ An endpoint's ``user:password@`` becomes a ``Basic`` authorization header and le
 is never part of a message. The exporters report a failure by returning FAILURE and logging why;
 :class:`Destination` catches those log records (they would otherwise print, several lines each) and
 raises :class:`PushError` with the reason on one line that names the endpoint and no header value.
-docs/otlp.md ("Pushing trace files") has the details.
+A success that rejects spans (OTLP ``partial_success``: :mod:`otel_train._otlp_partial`) is counted
+and returned by :meth:`Destination.send`. docs/otlp.md ("Pushing trace files") has the details.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from opentelemetry.sdk.environment_variables import (
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.util.re import parse_env_headers
+
+from otel_train._otlp_partial import count_rejections
 
 GRPC, HTTP = "grpc", "http/protobuf"
 PROTOCOLS = (GRPC, HTTP)
@@ -201,6 +204,8 @@ class Destination:
         self._secrets = sorted({s for s in secrets if len(s) >= _MIN_SECRET_LEN}, key=len, reverse=True)
         self.warnings = [self.scrub(w) for w in warnings]
         self.refusal = refuse_redirects(exporter)
+        self.rejections = count_rejections(exporter)
+        """Spans the endpoint answered success for and rejected (OTLP ``partial_success``)."""
 
     def scrub(self, text: str) -> str:
         """``text`` on one line, without URL passwords or header values."""
@@ -209,9 +214,10 @@ class Destination:
             text = text.replace(secret, "***")
         return text
 
-    def send(self, spans: Sequence[ReadableSpan]) -> None:
-        """Export ``spans``; raises PushError when the exporter (after its own retries) gives up, or when
-        the whole request has not finished within ``timeout_s``."""
+    def send(self, spans: Sequence[ReadableSpan]) -> tuple[int, str]:
+        """Export ``spans``: (how many the endpoint rejected in a successful answer, its message, scrubbed);
+        raises PushError when the exporter (after its own retries) gives up, or when the whole request
+        has not finished within ``timeout_s``."""
         with sdk_log() as records:
             bound = None if self.timeout_s is None else self.timeout_s + _GRACE_S
             outcome = _within(bound, self.exporter.export, spans)
@@ -226,6 +232,8 @@ class Destination:
         if result is not SpanExportResult.SUCCESS:
             why = self.refusal.take() if self.refusal is not None else None
             raise PushError(self.scrub(f"cannot push to {self.shown}: {why or failure_reason(records)}"))
+        rejected, message = self.rejections.take() if self.rejections is not None else (0, "")
+        return rejected, self.scrub(message)
 
     def close(self) -> None:
         """Shut the exporter down (closes its channel or session); after an abandoned request, waits at

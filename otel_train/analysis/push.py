@@ -44,16 +44,27 @@ class PushStats(Tally):
 
     requests: int = 0
     malformed_lines: int = 0
+    rejected_spans: int = 0  # answered with success, yet rejected (OTLP partial_success): not stored
+    rejected_why: str = ""  # the endpoint's last message about them
 
     def summary(self) -> str:
         """One line for the CLI's final count."""
         skipped = f"; {self.spans_without_ids} spans without valid ids skipped" if self.spans_without_ids else ""
+        rejected = f"; {self.rejected_spans} of them rejected by the endpoint" if self.rejected_spans else ""
         return (
             f"{self.spans} spans ({self.incomplete_spans} incomplete) from {self.processes} processes "
-            f"in {self.requests} requests; {self.events} instants as span events, "
+            f"in {self.requests} requests{rejected}; {self.events} instants as span events, "
             f"{self.instants_dropped} instants without an enclosing span dropped, "
             f"{self.scalars_skipped} scalars skipped (OTLP traces carry no scalars){skipped}"
         )
+
+    def rejection(self, shown: str) -> str | None:
+        """The one error line when the endpoint rejected spans (exit 1), else None."""
+        if not self.rejected_spans:
+            return None
+        why = f": {self.rejected_why}" if self.rejected_why else ""
+        return (f"{shown} rejected {self.rejected_spans} of {self.spans} spans in successful answers "
+                f"(OTLP partial_success){why}; those spans were not stored")
 
 
 class Batcher:
@@ -76,8 +87,11 @@ class Batcher:
         if not self._spans:
             return
         batch, self._spans = self._spans, []
-        self.destination.send(batch)
+        rejected, why = self.destination.send(batch)
         self.stats.requests += 1
+        if rejected:
+            self.stats.rejected_spans += min(rejected, len(batch))
+            self.stats.rejected_why = why or self.stats.rejected_why
         if self.on_spans is not None:
             self.on_spans(len(batch))
 

@@ -61,8 +61,9 @@ def push(
 
     Resources come from the records (rank, host, pid, run id, ...) on top of OTEL_RESOURCE_ATTRIBUTES.
     Instants become span events of their enclosing span; scalars are skipped. Re-running sends the same
-    ids again: backends that key spans by id keep one copy. Exit codes: 0 sent, 2 no trace files, 1 any
-    other failure (one line naming the endpoint).
+    ids again: backends that key spans by id keep one copy. Exit codes: 0 every span accepted, 2 no trace
+    files, 1 any other failure (one line naming the endpoint), spans the endpoint rejected in a successful
+    answer (OTLP partial_success) included.
     """
     with cli_errors():
         select_run(run_id)
@@ -100,3 +101,6 @@ def push(
             destination.close()
         typer.echo(f"pushed {stats.summary()} to {destination.shown}")
         note_malformed(stats.malformed_lines)
+        rejection = stats.rejection(destination.shown)
+        if rejection is not None:
+            fail(rejection)  # a success that stored nothing is not a success: exit 1
