@@ -87,6 +87,7 @@ class Cache:
         self.enabled = enabled
         self.limit = max_bytes() if enabled else 0
         self.hits = self.extended = self.misses = self.corrupt = 0
+        self._unbounded = 0  # bytes written since the last bound
         self._dir: Path | None = None
         self._tried = False
 
@@ -147,7 +148,10 @@ class Cache:
                              "crcs": [c if racy(i, now) else None for c, i in zip(crcs, idents)],
                              "payload": payload}, protocol=pickle.HIGHEST_PROTOCOL)
         write_entry(entry, data)
-        bound(self.limit)
+        self._unbounded += len(data)
+        if self._unbounded > self.limit // 16 or self.hits + self.extended + self.misses <= 1:
+            bound(self.limit)  # (a scan of the whole cache: once per 1/16 of the bound written, not per entry)
+            self._unbounded = 0
 
 
 def _match(pf: ProcessFiles, stored: dict) -> Hit | None:
