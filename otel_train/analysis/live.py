@@ -53,6 +53,8 @@ from otel_train.analysis.comm import CommGraph, CommOp, Group, feed_process
 from otel_train.analysis.findings import (
     CRASH, DESYNC, ERROR, HANG, RESTART, STRAGGLER, findings, is_collective_failure, straggler_findings,
 )
+from otel_train.analysis.live_time import OwnTime
+from otel_train.analysis.reading.fr_files import fingerprint
 from otel_train.analysis.records import (AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, TraceReadError, Warn,
                                          head)
 from otel_train.analysis.spans import (STATUS_OPEN, OpenSpan, PhaseSeries, ProcessState, Run, assign_attempts,
@@ -207,14 +209,15 @@ class LiveProcess:
     """One process instance being followed: its span-model state and what only a live reader knows."""
 
     __slots__ = ("state", "thresholds", "restarts_left", "progress_ts", "local", "dead", "silent", "gone_at",
-                 "_limits", "skew", "_elapsed", "_read", "_child_ends")
+                 "_limits", "skew", "_elapsed", "_read", "_child_ends", "own")
 
     def __init__(self, state: ProcessState, local: bool,
                  elapsed: Callable[[float], float] = lambda now: time.monotonic()) -> None:
         self.state = state
         self.thresholds = DEFAULT_THRESHOLDS
         self.restarts_left = 0  # attempts the launcher may still start after this one
-        self.progress_ts: float | None = None  # the last span that closed ok (writer's clock)
+        self.progress_ts: float | None = None  # the last span that closed ok (writer's clock; OwnTime)
+        self.own = OwnTime()  # which of its records are trusted as its time (live_time.py)
         self.local = local
         self.dead = False
         self.silent = False
@@ -228,7 +231,7 @@ class LiveProcess:
     def mark_read(self, now: float, raw: bool = False) -> None:
         """After a read that brought records: where its clock stood then (:meth:`clock`); ``raw``
         (``--no-align``): watch's clock as it is, a writer ahead of it in its future."""
-        last = self.state.last_ts
+        last = self.own.latest  # its newest record not from the future (live_time.py)
         if last is not None:
             self._read = (now - self.skew if raw else max(last, now - self.skew), self._elapsed(now))
 
@@ -247,14 +250,15 @@ class LiveProcess:
         """Ended through shutdown, or dead."""
         return self.dead or self.state.ended_cleanly
 
-    def take(self, records: list[AnyRecord]) -> bool:
+    def take(self, records: list[AnyRecord], warn: Warn | None = None) -> bool:
         """Feed a batch; returns whether it changed what findings could say (an error, the end)."""
         state = self.state
         errors, ended = len(state.errors), state.ended_cleanly
         state.feed(records)
-        ends = [r.ts for r in records if type(r) is SpanEnd and r.status in _OK_END]
-        if ends:
-            self.progress_ts = max(self.progress_ts or 0.0, max(ends))
+        ahead = self.own.take(records, [r.ts for r in records if type(r) is SpanEnd and r.status in _OK_END])
+        self.progress_ts = self.own.progress
+        if ahead and warn is not None:  # once per process (live_time.py)
+            warn(f"warning: rank {state.rank} (attempt {state.attempt}): {ahead}; not taken as progress")
         self._note_child_ends(records)
         for r in records:
             if type(r) is Instant and r.name == schema.INSTANT_PROCESS_START:
@@ -266,7 +270,7 @@ class LiveProcess:
     def _note_child_ends(self, records: list[AnyRecord]) -> None:
         ends, opened = self._child_ends, self.state.opened
         for r in records:
-            if type(r) is SpanEnd and r.parent_span_id in opened and r.ts > ends.get(r.parent_span_id, 0.0):
+            if type(r) is SpanEnd and r.parent_span_id in opened and ends.get(r.parent_span_id, 0.0) < r.ts <= self.own.limit:
                 ends[r.parent_span_id] = r.ts  # type: ignore[index]
         if len(ends) > 2 * len(opened) + 64:
             self._child_ends = {k: v for k, v in ends.items() if k in opened}
@@ -444,7 +448,7 @@ class LiveRun:
             self._add(new)
         batches = [(pf, records) for pf, records in batches if pf.key in self.procs]  # not another run's
         for pf, records in batches:
-            self._dirty |= self.procs[pf.key].take(records)
+            self._dirty |= self.procs[pf.key].take(records, self.tail.bad.warn)
         self._update_skew(batches)
         for pf, records in batches:
             if records:
@@ -498,9 +502,9 @@ class LiveRun:
             before, self._sizes[pf.key] = self._sizes.get(pf.key), st.st_size
             if before is None or st.st_size <= before:
                 continue
-            mtime = st.st_mtime
-            host = self.procs[pf.key].state.host
-            lag = mtime - max(r.ts for r in records)
+            lp = self.procs[pf.key]
+            host, newest = lp.state.host, lp.own.latest  # not a record from the future (live_time.py)
+            lag = st.st_mtime - (newest if newest is not None else max(r.ts for r in records))
             if lag < self._host_lag.get(host, float("inf")):
                 self._host_lag[host] = lag
                 changed.add(host)
@@ -530,15 +534,11 @@ class LiveRun:
             graph.clock = clock
 
     def _dumps_changed(self, now: float) -> bool:
-        """Read the Flight Recorder dumps again when the directory changed (looked at every FR_POLL_S)."""
+        """Read the Flight Recorder dumps again when the dump file or folder changed (every FR_POLL_S)."""
         if self._fr is None or self._read_fr is None or now < self._fr_next:
             return False
         self._fr_next = now + FR_POLL_S
-        try:
-            seen = tuple(sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in self._fr.rglob("*")
-                                if p.is_file()))
-        except OSError:
-            return False
+        seen = fingerprint(self._fr)  # a file or a folder, listed as the reader lists it (bounded)
         if seen == self._fr_seen:
             return False
         self._fr_seen = seen
@@ -601,7 +601,7 @@ class LiveRun:
                     lp.gone_at = now
                 continue
             state, th = lp.state, lp.thresholds
-            quiet = lp.clock(now) - (state.last_ts or lp.clock(now))
+            quiet = lp.clock(now) - (lp.own.latest or lp.clock(now))
             if lp.local:
                 lp.dead = not self.probe.alive(state.pid, state.first_ts)  # type: ignore[arg-type]
                 lp.silent = not lp.dead and quiet >= th.silence_s
