@@ -57,7 +57,7 @@ def straggler(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def ask(run: Path, sql: str, **kw: Any) -> list[dict[str, Any]]:
-    con = open_views(run, warn=lambda _: None, **kw)
+    con = open_views(run, warn=lambda _: None, sql=sql, **kw)
     try:
         res = run_sql(con, sql, timeout_s=30)
     finally:
@@ -283,3 +283,21 @@ def test_trace_text_is_escaped_in_the_table(tmp_path: Path) -> None:
 def test_no_traces_is_exit_2(tmp_path: Path) -> None:
     out = cli("query", str(tmp_path), "SELECT 1")
     assert out.exit_code == 2 and "Traceback" not in out.output
+
+
+def test_a_statement_on_model_views_reads_no_span(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """findings, processes, comm and clock come from the compact run: no full read of every span for them."""
+    procs = [Proc(rank=r, world_size=2) for r in range(2)]
+    simulate(procs, 3, base)
+    write_run(tmp_path, procs)
+    import otel_train.analysis.query.load as load
+
+    def boom(*_: Any, **__: Any) -> None:
+        raise AssertionError("every span read")
+
+    with monkeypatch.context() as m:
+        m.setattr(load, "load_for_views", boom)
+        assert ask(tmp_path, "SELECT count(*) AS n FROM processes") == [{"n": 2}]
+        with pytest.raises(AssertionError, match="every span"):
+            ask(tmp_path, "SELECT count(*) AS n FROM spans")
+    assert ask(tmp_path, "SELECT count(*) AS n FROM spans") == [{"n": 2 * 3 * 5}]

@@ -40,7 +40,8 @@ def query(
         from otel_train.analysis.query import QueryRefused, open_views, run_sql, schema_rows
 
         select_run(run_id)
-        con = open_views(path, steps=window, warn=warn, cache=not no_cache, run_id=run_id)
+        con = open_views(path, steps=window, warn=warn, cache=not no_cache, run_id=run_id,
+                         sql=None if schema else sql)
         try:
             if sql is None or schema:
                 _print_schema(schema_rows(con))

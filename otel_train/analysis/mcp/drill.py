@@ -17,7 +17,7 @@ def _rows(run_dir: Path, sql: str, params: list[Any] | None = None, *, max_rows:
     from otel_train.analysis.query import open_views, run_sql
     from otel_train.analysis.query.render import records
 
-    con = open_views(run_dir, warn=_quiet, steps=steps)
+    con = open_views(run_dir, warn=_quiet, steps=steps, sql=sql)
     try:
         if params:
             cur = con.execute(sql, params)

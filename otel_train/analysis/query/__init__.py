@@ -4,89 +4,138 @@
 ``processes``, ``scalars``, ``instants``, ``findings``, ``clock``), locked for reading only;
 :func:`~.engine.run_sql` runs one checked statement on it with a time cap and a row cap.
 
-The views are built once per state of the run's files and kept as a DuckDB database in the run's
-read cache (``<hash>.duckdb`` beside the cache's entries), served read-only while the files are the
-same bytes (:class:`~otel_train.analysis.reading.cache.Recall`); a run still being written is read
-as it is on disk now, its open spans as ``incomplete`` rows, and built again on the next query.
+The views come in two groups (:data:`~.engine.GROUPS`), built only when a statement names one of
+their views: ``records`` (spans, steps, scalars, instants) need every span kept, a full read through
+the span model; ``model`` (comm, processes, findings, clock) only the compact run ``summarize`` reads,
+which the read cache serves. Each group is built once per state of the run's files and kept as a
+DuckDB database in the run's read cache (``<hash>.duckdb`` beside its entries), attached read-only
+while the files are the same bytes (:class:`~otel_train.analysis.reading.cache.Recall`); a run still
+being written is read as it is on disk now, its open spans as ``incomplete`` rows, and built again on
+the next query.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from otel_train.analysis.query.engine import LOCKED, VIEWS, QueryRefused, Result, build, lock, run_sql, schema_rows
+from otel_train.analysis.query.engine import (GROUPS, LOCKED, VIEWS, QueryRefused, Result, build, lock, run_sql,
+                                              schema_rows)
 from otel_train.analysis.records import Warn, logs_dir, warn_to_stderr
 
 if TYPE_CHECKING:
     import duckdb
 
-VERSION = 1
+    from otel_train.analysis.reading.cache import Recall
+
+VERSION = 2
 """The views' layout: a cached database of another layout is never served."""
 
+Tables = dict[str, dict[str, Any]]
 
-def compute_tables(path: str | Path, steps: tuple[int, int] | None, warn: Warn) -> dict[str, dict[str, Any]]:
-    """Every view's columns for the run at ``path``: one read through the span model, the run
-    assembly, the comm graphs and the findings summarize reports (Flight Recorder dumps merged)."""
-    from otel_train.analysis.query.load import load_for_views
-    from otel_train.analysis.query.views import tables
+
+def groups_named(sql: str | None) -> list[str]:
+    """The view groups ``sql`` names (any word that is a view's name: more is harmless); every group
+    without a statement (the schema); ``model`` (the cheap one) for a statement naming no view."""
+    if sql is None:
+        return list(GROUPS)
+    words = set(re.findall(r"[a-z_]+", sql.lower()))
+    return [g for g, views in GROUPS.items() if words & set(views)] or ["model"]
+
+
+def compute_tables(path: str | Path, steps: tuple[int, int] | None, warn: Warn, groups: list[str],
+                   cache: bool = True) -> dict[str, Tables]:
+    """Each group's view columns for the run at ``path``: the records group by one read through the
+    span model (which also gives the run), else the compact run (the read cache serves it); the model
+    group from the run's comm graphs and its summarize object (Flight Recorder dumps merged)."""
+    from otel_train.analysis.query.views import model_tables, record_tables
     from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
 
-    loaded = load_for_views(path, warn=warn, steps=steps)
-    with_dumps(loaded.run, default_fr(path, loaded.run), warn)
-    return tables(loaded, summarize_run(loaded.run))
+    out: dict[str, Tables] = {}
+    if "records" in groups:
+        from otel_train.analysis.query.load import load_for_views
+
+        loaded = load_for_views(path, warn=warn, steps=steps)
+        run = with_dumps(loaded.run, default_fr(path, loaded.run), warn)
+        out["records"] = record_tables(loaded)
+    else:
+        from otel_train.analysis.spans import load_run
+
+        run = load_run(path, warn=warn, steps=steps, cache=cache)
+        run = with_dumps(run, default_fr(path, run), warn)
+    if "model" in groups:
+        out["model"] = model_tables(run, summarize_run(run))
+    return out
 
 
-def _open_file(db: Path) -> duckdb.DuckDBPyConnection:
-    import duckdb
-
-    return duckdb.connect(str(db), read_only=True, config=dict(LOCKED))
-
-
-def _in_memory(tables: dict[str, dict[str, Any]]) -> duckdb.DuckDBPyConnection:
-    import duckdb
-
-    con = duckdb.connect()
-    build(con, tables)
-    lock(con)
-    return con
+def _db(recall: Recall) -> Path | None:
+    entry = recall.entry() if recall.enabled else None
+    return entry.with_suffix(".duckdb") if entry is not None else None
 
 
 def open_views(path: str | Path, *, steps: tuple[int, int] | None = None, warn: Warn | None = None,
-               cache: bool = True, run_id: str | None = None) -> duckdb.DuckDBPyConnection:
-    """A read-only, locked DuckDB connection holding the views of the run at ``path`` (only steps
-    ``steps``, inclusive, when given). ``cache`` False: neither served from nor kept in the read cache; ``run_id``: the run chosen
-    (``--run-id``, already set by ``use_run``), part of the cache's key.
-    Raises TraceReadError when the path holds no trace files."""
+               cache: bool = True, run_id: str | None = None, sql: str | None = None) -> duckdb.DuckDBPyConnection:
+    """A read-only, locked DuckDB connection holding the views of the run at ``path`` that ``sql``
+    names (all of them without ``sql``), only steps ``steps`` (inclusive) when given. ``cache`` False:
+    neither served from nor kept in the read cache; ``run_id``: the run chosen (``--run-id``, already
+    set by ``use_run``), part of the cache's key. Raises TraceReadError without trace files."""
     from otel_train.analysis.reading.cache import Recall
 
     say: Callable[[str], None] = warn or warn_to_stderr
-    recall = Recall("query-views", [logs_dir(path)], {"steps": steps, "run_id": run_id, "v": VERSION}, enabled=cache)
-    entry = recall.entry() if cache else None
-    db = entry.with_suffix(".duckdb") if entry is not None else None
-    hit = recall.recall() if db is not None else None
-    if hit is not None and hit[0] == db.name and db.exists():  # type: ignore[union-attr]
-        for line in hit[1]:
-            say(line)
-        return _open_file(db)  # type: ignore[arg-type]
+    logs = [logs_dir(path)]
+    key = {"steps": steps, "run_id": run_id, "v": VERSION}
+    wanted = groups_named(sql) if sql is not None else list(GROUPS)
+    recalls = {g: Recall(f"query-{g}", logs, key, enabled=cache) for g in ("records", "model")}
+    files: dict[str, Path] = {}
+    for g in wanted:
+        db, hit = _db(recalls[g]), None
+        hit = recalls[g].recall() if db is not None else None
+        if hit is not None and hit[0] == db.name and db.exists():  # type: ignore[union-attr]
+            files[g] = db  # type: ignore[assignment]
+            for line in hit[1]:
+                say(line)
+    missing = [g for g in wanted if g not in files]
+    if "records" in missing and "model" not in files:
+        missing = ["records", "model"]  # the full read gives the run too: the model views cost little more
+    built: dict[str, Tables] = {}
+    if missing:
+        built = _compute(path, steps, say, missing, recalls, cache)
+        for g in list(built):
+            db = _kept(_db(recalls[g]), built[g], recalls[g])
+            if db is not None:
+                files[g] = db
+                del built[g]
+    return _connect(files, built)
+
+
+def _compute(path: str | Path, steps: tuple[int, int] | None, say: Callable[[str], None], groups: list[str],
+             recalls: dict[str, Recall], cache: bool) -> dict[str, Tables]:
+    """:func:`compute_tables` inside one recording; every group's recall takes that recording's
+    inputs (the same read made them all)."""
     heard: list[str] = []
 
     def note(line: str) -> None:
         heard.append(line)
         say(line)
 
-    with recall.recording():
-        tables = compute_tables(path, steps, note)
+    first = recalls[groups[0]]
+    with first.recording():
+        out = compute_tables(path, steps, note, groups, cache)
+    for g in groups:
+        r = recalls[g]
+        r.inputs, r.outputs, r.too_big = list(first.inputs), list(first.outputs), first.too_big
+        r.heard = heard  # type: ignore[attr-defined]
+    return out
+
+
+def _kept(db: Path | None, tables: Tables, recall: Recall) -> Path | None:
+    """Build ``tables`` into ``db`` (a temporary renamed into place) and remember it; None without a
+    cache or when the file cannot be written (the tables are then built in memory)."""
     if db is None:
-        return _in_memory(tables)
-    return _kept(db, tables, recall, heard)
-
-
-def _kept(db: Path, tables: dict[str, dict[str, Any]], recall: Any, heard: list[str]) -> duckdb.DuckDBPyConnection:
-    """Build the views into ``db`` (a temporary renamed into place) and remember it; in memory when the
-    file cannot be written."""
+        return None
     import duckdb
 
     tmp = db.with_name(f"{db.name}.{os.getpid()}.tmp")
@@ -99,9 +148,26 @@ def _kept(db: Path, tables: dict[str, dict[str, Any]], recall: Any, heard: list[
         os.replace(tmp, db)
     except (OSError, duckdb.Error):
         tmp.unlink(missing_ok=True)
-        return _in_memory(tables)
-    recall.keep(db.name, heard)
-    return _open_file(db)
+        return None
+    recall.keep(db.name, getattr(recall, "heard", []))
+    return db
 
 
-__all__ = ["VIEWS", "QueryRefused", "Result", "compute_tables", "open_views", "run_sql", "schema_rows"]
+def _connect(files: dict[str, Path], built: dict[str, Tables]) -> duckdb.DuckDBPyConnection:
+    """An in-memory connection with each group's database attached read-only (and the groups that could
+    not be kept built in it), every view found by its bare name, then locked."""
+    import duckdb
+
+    con = duckdb.connect()
+    for g, db in files.items():
+        quoted = str(db).replace("'", "''")
+        con.execute(f"ATTACH '{quoted}' AS {g} (READ_ONLY)")
+    for tables in built.values():
+        build(con, tables)
+    con.execute(f"SET search_path = '{','.join(['main', *files])}'")
+    lock(con)
+    return con
+
+
+__all__ = ["GROUPS", "LOCKED", "VIEWS", "QueryRefused", "Result", "compute_tables", "groups_named", "open_views",
+           "run_sql", "schema_rows"]

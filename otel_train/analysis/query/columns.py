@@ -38,12 +38,19 @@ def _json(value: Any, memo: dict[bytes, str]) -> str | None:
 
 
 def _int_or_null(values: list[Any]) -> np.ndarray:
-    return np.fromiter((NULL_INT if v is None or isinstance(v, bool) or not isinstance(v, int) else v
-                        for v in values), dtype=np.int64, count=len(values))
+    """Integers as int64, anything else (None, a bool, a float or text from an attribute) as null."""
+    try:  # the common case: ints and Nones only (the model's steps and thread ids are typed)
+        out = np.array([NULL_INT if v is None else v for v in values], dtype=np.int64)
+        if all(type(v) is int or v is None for v in values):
+            return out
+    except (TypeError, ValueError, OverflowError):
+        pass
+    return np.fromiter((v if type(v) is int and -(2**63) <= v < 2**63 else NULL_INT for v in values),
+                       dtype=np.int64, count=len(values))
 
 
 def _float_or_nan(values: list[Any]) -> np.ndarray:
-    return np.fromiter((np.nan if v is None else v for v in values), dtype=np.float64, count=len(values))
+    return np.array([np.nan if v is None else v for v in values], dtype=np.float64)
 
 
 def span_columns(state: ProcessState) -> dict[str, Any]:

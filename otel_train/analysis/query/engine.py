@@ -56,6 +56,10 @@ WHERE s.name = 'step' ORDER BY s.rank, s.attempt, s.step
 """``steps``: one row per rank and step (the ``step`` spans), with each phase's time inside it (ms)."""
 
 VIEWS = ("spans", "comm", "steps", "processes", "scalars", "instants", "findings", "clock")
+GROUPS = {"records": ("spans", "steps", "scalars", "instants"), "model": ("comm", "processes", "findings", "clock")}
+"""The views in two groups, each built, cached and attached on its own: ``records`` need every span kept
+(a full read through the span model); ``model`` only the compact run that summarize reads (its cache
+serves it)."""
 ALLOWED = ("SELECT", "EXPLAIN")
 """Statement types run (DuckDB's parser decides; ``DESCRIBE``, ``SUMMARIZE``, ``FROM t`` parse as SELECT)."""
 
@@ -86,9 +90,10 @@ def _empty(kind: str) -> Any:
 
 
 def build(con: duckdb.DuckDBPyConnection, tables: dict[str, dict[str, Any]]) -> None:
-    """Create every view's table in ``con`` from its columns (numpy arrays), then ``steps``."""
-    for view, spec in VIEW_SPECS.items():
-        cols = tables.get(view) or {}
+    """Create a table in ``con`` for each view in ``tables`` from its columns (numpy arrays); ``steps``
+    too when ``spans`` is there."""
+    for view, cols in tables.items():
+        spec = VIEW_SPECS[view]
         raw = {name: cols[name] if name in cols and len(cols[name]) else _empty(kind) for name, kind in spec.items()}
         con.register("_cols", raw)
         try:
@@ -96,7 +101,8 @@ def build(con: duckdb.DuckDBPyConnection, tables: dict[str, dict[str, Any]]) -> 
             con.execute(f'CREATE TABLE "{view}" AS SELECT {select} FROM _cols')
         finally:
             con.unregister("_cols")
-    con.execute(STEPS_SQL)
+    if "spans" in tables:
+        con.execute(STEPS_SQL)
 
 
 LOCKED = {"enable_external_access": False, "autoinstall_known_extensions": False,

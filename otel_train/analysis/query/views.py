@@ -1,8 +1,8 @@
 """The query views' rows, from the one model (docs/query.md, "Views").
 
-:func:`tables` turns a :class:`.load.Loaded` run into one column dict per view: ``spans``,
-``instants`` and ``scalars`` from each process's columns, ``comm`` from the run's comm graphs
-(``Run.comm``: the ops matched across ranks), ``processes``, ``findings`` and ``clock`` from the
+:func:`record_tables` turns a :class:`.load.Loaded` run into ``spans``, ``instants`` and ``scalars``
+from each process's columns; :func:`model_tables` makes ``comm`` from the run's comm graphs
+(``Run.comm``: the ops matched across ranks), and ``processes``, ``findings`` and ``clock`` from the
 ``summarize`` object itself. Times are moved onto the reference clock by the run's clock estimate
 (docs/clock.md); ``raw_*`` columns keep each record's own. ``steps`` is made from ``spans`` by SQL
 (:mod:`.engine`).
@@ -19,14 +19,14 @@ from otel_train.analysis.clock import Clock
 from otel_train.analysis.comm import CommGraph, CommOp
 from otel_train.analysis.query.columns import NULL_INT, _json
 from otel_train.analysis.query.load import Loaded
+from otel_train.analysis.spans import Run
 
 Columns = dict[str, Any]
 
 
-def run_clock_of(loaded: Loaded) -> Clock:
+def run_clock_of(run: Run) -> Clock:
     """The clock every graph of the run shares (no alignment when there is none)."""
-    graphs = loaded.run.comm
-    return next((g.clock for g in graphs.values() if g.clock is not None), Clock())
+    return next((g.clock for g in run.comm.values() if g.clock is not None), Clock())
 
 
 def _aligned(clock: Clock, host: str | None, ts: np.ndarray) -> np.ndarray:
@@ -101,8 +101,8 @@ def _typed(name: str, values: list[Any], ints: set[str], floats: set[str], bools
     return np.array(values, dtype=object)
 
 
-def comm_table(loaded: Loaded, clock: Clock) -> Columns:
-    rows = sorted((r for g in loaded.run.comm.values() for r in _comm_rows(g, clock)),
+def comm_table(run: Run, clock: Clock) -> Columns:
+    rows = sorted((r for g in run.comm.values() for r in _comm_rows(g, clock)),
                   key=lambda r: (r[1], r[4] or "", r[6], r[0]))
     cols = list(zip(*rows)) if rows else [() for _ in COMM_COLUMNS]
     return {name: _typed(name, list(col), _COMM_INT, _COMM_FLOAT, {"last_arrival"})
@@ -140,12 +140,16 @@ def summary_tables(summary: dict[str, Any]) -> dict[str, Columns]:
             "clock": dict_table(summary["clock"], CLOCK_SPEC)}
 
 
-def tables(loaded: Loaded, summary: dict[str, Any]) -> dict[str, Columns]:
-    """Every view's columns but ``steps`` (made from ``spans``)."""
-    clock = run_clock_of(loaded)
-    out = {"spans": span_table(loaded, clock),
-           "instants": _concat(loaded, "instants", clock, {"ts": "raw_ts"}),
-           "scalars": _concat(loaded, "scalars", clock, {"ts": "raw_ts"}),
-           "comm": comm_table(loaded, clock)}
-    out.update(summary_tables(summary))
-    return out
+def record_tables(loaded: Loaded) -> dict[str, Columns]:
+    """The ``records`` group's columns: ``spans``, ``instants``, ``scalars`` (``steps`` is made from
+    ``spans`` by SQL)."""
+    clock = run_clock_of(loaded.run)
+    return {"spans": span_table(loaded, clock),
+            "instants": _concat(loaded, "instants", clock, {"ts": "raw_ts"}),
+            "scalars": _concat(loaded, "scalars", clock, {"ts": "raw_ts"})}
+
+
+def model_tables(run: Run, summary: dict[str, Any]) -> dict[str, Columns]:
+    """The ``model`` group's columns: ``comm`` from the run's comm graphs, and ``processes``,
+    ``findings``, ``clock`` from its ``summarize`` object."""
+    return {"comm": comm_table(run, run_clock_of(run)), **summary_tables(summary)}
