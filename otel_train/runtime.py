@@ -123,6 +123,7 @@ class _Runtime:
         self.file_path: str | None = None
         self.watchdog: Watchdog | None = None
         self.comm: Any = None  # otel_train.comm.CommSession
+        self.ids: StepTraceIdGenerator | None = None  # every span's ids (the comm herald chooses some ahead)
 
 
 _lock = threading.RLock()
@@ -220,6 +221,7 @@ def _make_comm(rt: _Runtime) -> None:
         instant=jsonl.instant_for if jsonl is not None else _no_instant,
         open_entries=jsonl.open_entries if jsonl is not None else None,
         closed_feed=(lambda feed: setattr(jsonl, "closed_entries", feed)) if jsonl is not None else None,
+        arrival=jsonl.arrival if jsonl is not None else None, ids=rt.ids,
     )
 
 
@@ -237,7 +239,7 @@ def _start_comm(rt: _Runtime) -> None:
 def _build(rt: _Runtime) -> None:
     settings, ctx = rt.settings, rt.ctx
     exporters = settings.traces_exporter
-    id_generator = StepTraceIdGenerator()
+    rt.ids = id_generator = StepTraceIdGenerator()
     log_dir = Path(settings.save_path or ".") / S.STRUCTURED_LOGS_DIR
     # The SDK provider is built only when something besides the JSONL sink may see spans (OTLP,
     # console, custom handlers): a JSONL-only run takes the lean path and never needs it (nor pays

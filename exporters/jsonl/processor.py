@@ -12,23 +12,25 @@ from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
 import msgspec
-from opentelemetry.trace import INVALID_SPAN_CONTEXT, get_current_span
+from opentelemetry.trace import INVALID_SPAN_CONTEXT, SpanContext, TraceFlags, get_current_span
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_train import _report
 from otel_train._threads import held_here
-from otel_train._clock import now_ns as time_ns  # the runtime's one clock (docs/clock.md)
+from otel_train._clock import from_wall, now_ns as time_ns  # the runtime's one clock (docs/clock.md)
 from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train.context import StepState
 from otel_train.exporters.jsonl.encoder import INCOMPLETE_ATTR, CallerFinder, RecordEncoder
+from otel_train.spans import LeanSpan
 
 _decode = msgspec.json.decode
 get_native_id = threading.get_native_id
 current_state = step_context.current
 
 RecordHandler = Callable[[dict], None]
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 OpenEntry = tuple[Span, str, StepState, int]
 """An open span: the span, its encoded body, the step context and native thread id it started with."""
 class OnBehalf(threading.local):
@@ -97,6 +99,7 @@ class JsonlSpanProcessor(SpanProcessor):
         self._stall_dropped_since = 0  # stall_dropped at the last stall notice
         self._deadline = 0.0  # monotonic; shutdown's bound on every wait for the lock (0.0: none)
         self._unwritten: set[int] = set()  # spans whose start was dropped: their end is dropped too
+        self._arrived: dict[int, OpenEntry] = {}  # starts written by arrival(), their spans not begun yet
         if writer is not None and hasattr(writer, "on_loss"):
             writer.on_loss = self._on_loss
         if writer is not None and hasattr(writer, "on_notice"):
@@ -160,6 +163,8 @@ class JsonlSpanProcessor(SpanProcessor):
             try:
                 if self._sealed:
                     return  # started while shutdown ran: not traced, like any call after it
+                if self._arrived and self._adopt(span):
+                    return
                 seq = self._seq + 1
                 line = self._encoder.span_start(span, body, seq, caller)
                 self._seq = seq
@@ -169,6 +174,42 @@ class JsonlSpanProcessor(SpanProcessor):
                 lock.release()
         except Exception as exc:  # never break training over a trace record
             self._fault("a span start", exc)
+
+    def arrival(self, name: str, attrs: Mapping[str, Any], start_ns: int, parent: SpanContext | None,
+                trace_id: int, span_id: int, tid: int) -> None:
+        """The start record of a span that the runtime begins later, on another thread, with these ids (an
+        op's arrival, written by the thread that issues it: otel_train/comm/herald.py). When that span
+        starts, :meth:`on_start` only records it as open; one never begun is ended ``incomplete`` at shutdown."""
+        try:
+            span = LeanSpan(name, SpanContext(trace_id, span_id, False, _SAMPLED), parent, attrs, None)
+            span._start_time = start_ns
+            state = current_state()
+            body = self._encoder.span_body(span, state, tid)
+            lock = self._lock
+            if not lock.acquire(False) and not self._wait_lock("an op's start"):
+                return  # its span, begun later, is written whole then
+            try:
+                if self._sealed:
+                    return
+                seq = self._seq + 1
+                line = self._encoder.span_start(span, body, seq, "")
+                self._seq = seq
+                self._arrived[span_id] = (span, body, state, tid)
+                self._write(line)
+            finally:
+                lock.release()
+        except Exception as exc:
+            self._fault("an op's start", exc)
+
+    def _adopt(self, span: Any) -> bool:
+        # Called with the lock held: a span whose start arrival() wrote is open now; nothing is written.
+        entry = self._arrived.pop(span._context.span_id, None)
+        if entry is None:
+            return False
+        if type(span) is not LeanSpan and not getattr(span, "_runtime_clock", False):
+            span._start_time = from_wall(span._start_time)  # as span_start would have: on the records' clock
+        self._open[span._context.span_id] = (span, *entry[1:])
+        return True
 
     def on_end(self, span: ReadableSpan) -> None:
         try:
@@ -335,6 +376,8 @@ class JsonlSpanProcessor(SpanProcessor):
             return 0
         with _Held(self._lock):
             self._sealed = True
+            self._open.update(self._arrived)  # ops whose span never began: ended here like any open span
+            self._arrived.clear()
             entries = list(reversed(self._open.items()))
             for span_id, (span, *_) in entries:
                 self._end_incomplete(span)

@@ -136,13 +136,20 @@ def findings(
         graph = graphs.get((group[0].source, group[0].attempt))
         graph = graph if graph is not None and graph.ops else None
         culprits, stop_found, explained = _stop_findings(group, order, alive, running, graph)
-        out.extend(stop_found)
-        if graph is not None:
-            out.extend(desync_findings(group, graph))
+        desyncs = desync_findings(group, graph) if graph is not None else []
+        out.extend(_without_desync_victims(stop_found, desyncs))
+        out.extend(desyncs)
         errors.extend(_error_findings(group, culprits, explained))
         if stragglers:
             slow.extend(straggler_findings(group, run.phase_order(), graph=graph))
     return out + errors + slow + _restart_findings(run) + clock_findings(run, graphs)
+
+
+def _without_desync_victims(stop_found: list[dict[str, Any]], desyncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A rank that stopped (hung, or died: gloo aborts a rank that receives the wrong size) waiting in an
+    op its group desynced at is that desync's victim, not a culprit of its own."""
+    waited = {r for f in desyncs for r in f["comm"]["waiting"] if r in f["victims"]}
+    return [f for f in stop_found if not (f["kind"] in (HANG, CRASH) and f["rank"] in waited)]
 
 
 def clock_findings(run: Run, graphs: dict[tuple[str, int], CommGraph]) -> list[dict[str, Any]]:

@@ -44,7 +44,7 @@ class Note:
     """One op issued by this process: what, in which group, when; ``end_ns`` 0 while it runs."""
 
     __slots__ = ("op", "group", "seq", "fr_key", "peer", "nbytes", "dtype", "start_ns", "end_ns", "error",
-                 "ctx", "tid", "work")
+                 "ctx", "tid", "work", "ids")
 
     def __init__(self, op: str, group: Any, seq: int, fr_key: int | None, peer: int | None, nbytes: int,
                  dtype: str | None) -> None:
@@ -61,6 +61,7 @@ class Note:
         self.error: str | None = None
         self.end_ns = 0
         self.work: Any = None  # an async op's Work without a future: the recorder polls is_completed()
+        self.ids: tuple[int, int] | None = None  # (trace id, span id) its start record was written with
         self.start_ns = time_ns()
 
     def done(self, fut: Any = None) -> None:

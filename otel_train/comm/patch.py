@@ -87,7 +87,7 @@ def _tensor_info(value: Any) -> tuple[int, str | None]:
 class NoteMaker:
     """Builds the note of one call (``begin``) and stamps its end (``finish``/``fail``)."""
 
-    def __init__(self, queue: NoteQueue, groups: GroupTable) -> None:
+    def __init__(self, queue: NoteQueue, groups: GroupTable, herald: Callable[[Note], None] | None = None) -> None:
         from torch.distributed import distributed_c10d as c10d
 
         self._queue = queue
@@ -97,6 +97,7 @@ class NoteMaker:
         self._batch = threading.local()  # ops noted inside batch_isend_irecv (coalesced: no Work of their own)
         self._futures = True  # cleared per op kind when a backend's Work has no future (gloo p2p)
         self._no_future: set[str] = set()
+        self._herald = herald  # writes the op's start record now, before the backend has it (herald.py)
         self.active = True
 
     def forget(self, pg: Any) -> None:
@@ -143,6 +144,8 @@ class NoteMaker:
                 peer = state.ranks[kwargs[group_key]]
             seq, fr_key = state.next_p2p(-1 if peer is None else int(peer), spec.op == "send")
             note = Note(spec.op, state, seq, fr_key, peer, nbytes, dtype)
+        if self._herald is not None:
+            self._herald(note)  # before the queue: the recorder adopts its ids
         self._queue.append(note)
         return note
 

@@ -37,6 +37,7 @@ from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train.comm import flight_recorder as fr
 from otel_train.comm.groups import GroupState, GroupTable
+from otel_train.comm.herald import Herald, span_attrs
 from otel_train.comm.notes import Note, NoteQueue
 from otel_train.comm.patch import PENDING
 from otel_train.exporters.jsonl.processor import on_behalf
@@ -62,25 +63,15 @@ ATTR_SOURCE = "comm.source"
 _INTERNAL = SpanKind.INTERNAL
 
 
-def span_attrs(op: str, group: str, seq: int, peer: int | None, nbytes: int, dtype: str | None) -> dict[str, Any]:
-    attrs: dict[str, Any] = {S.ATTR_COMM_GROUP: group, S.ATTR_COMM_SEQ: seq}
-    if peer is not None:
-        attrs[S.ATTR_COMM_PEER] = peer
-    attrs[S.ATTR_COMM_BYTES] = nbytes
-    if dtype is not None:
-        attrs[S.ATTR_COMM_DTYPE] = dtype
-    attrs[S.ATTR_COMM_CLOCK] = S.COMM_CLOCK_HOST
-    return attrs
-
-
 class Recorder:
     """The thread and its state; :meth:`poll` is one look (tests call it)."""
 
     def __init__(self, tracer: trace.Tracer, queue: NoteQueue, groups: GroupTable, *,
                  instant: Callable[[str, dict[str, Any]], None], open_entries: Callable[[], list[Any]] | None = None,
                  buffer: fr.BufferReader | None = None, poll_s: float = POLL_S,
-                 closed: deque[Any] | None = None) -> None:
+                 closed: deque[Any] | None = None, herald: Herald | None = None) -> None:
         self._tracer = tracer
+        self._herald = herald  # wrote the start records of the notes it saw: their spans take its ids
         self._queue = queue
         self._groups = groups
         self._instant = instant
@@ -203,6 +194,8 @@ class Recorder:
             state.announced = True
             note.ctx.run(self._announce_in, state, note.start_ns)
         attrs = span_attrs(note.op, state.name, note.seq, note.peer, note.nbytes, note.dtype)
+        if self._herald is not None:
+            self._herald.adopt(note)
         span = self._start_span(note.ctx, S.comm_span_name(note.op), attrs, note.start_ns, note.tid)
         if note.end_ns or self._work_done(note):
             self._end(span, note.end_ns, note.error)

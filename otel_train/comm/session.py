@@ -23,13 +23,15 @@ class CommSession:
     def __init__(self, *, mode: str, fr_dir: str, rank: int, attempt: int, world_size: int,
                  tracer: Any, instant: Callable[[str, dict[str, Any]], None],
                  open_entries: Callable[[], list[Any]] | None,
-                 closed_feed: Callable[[Any], None] | None = None) -> None:
+                 closed_feed: Callable[[Any], None] | None = None, arrival: Any = None, ids: Any = None) -> None:
         self.mode = mode
         self.recording = mode != "off"
         self.status = fr.configure(fr_dir, rank, attempt, self.recording)
         self.stall_dumps = fr.StallDumps(fr_dir, rank, attempt, world_size)
         self._tracer, self._instant, self._open_entries = tracer, instant, open_entries
         self._closed_feed = closed_feed  # installs (or, given None, removes) the deque of spans that ended
+        self._arrival = arrival  # the JSONL processor's: an op's start record on the issuing thread
+        self._ids = ids  # the runtime's id generator: the herald's ids become the spans' ids
         self.queue = NoteQueue()
         self.groups = GroupTable()
         self.recorder: Any = None
@@ -50,6 +52,7 @@ class CommSession:
     def _attach(self) -> None:
         """Patch torch.distributed and start the thread (now, or when torch.distributed is imported)."""
         from otel_train.comm import mesh
+        from otel_train.comm.herald import make_herald
         from otel_train.comm.patch import NoteMaker, Patches
         from otel_train.comm.recorder import Recorder
 
@@ -58,10 +61,11 @@ class CommSession:
         if self._closed_feed is not None and self._open_entries is not None and buffer.enabled:
             closed = deque(maxlen=CLOSED_FEED_MAX)
             self._closed_feed(closed)
+        herald = make_herald(self._ids, self._arrival, self._instant)
         self.recorder = Recorder(self._tracer, self.queue, self.groups, instant=self._instant,
-                                 open_entries=self._open_entries, buffer=buffer, closed=closed)
+                                 open_entries=self._open_entries, buffer=buffer, closed=closed, herald=herald)
         self.recorder.baseline()
-        self.patches = Patches(NoteMaker(self.queue, self.groups), before_destroy=self.recorder.flush)
+        self.patches = Patches(NoteMaker(self.queue, self.groups, herald), before_destroy=self.recorder.flush)
         self.status["patched"] = self.patches.install()
         self._mesh_undo = mesh.detect_meshes()
         step_context.step_listeners.append(self.recorder.on_step)
