@@ -167,6 +167,13 @@ def test_formats_output_and_schema(straggler: Path, tmp_path: Path) -> None:
         assert f"{col} " in lines["comm"], col
     out = cli("query", str(straggler), sql, "--format", "parquet")
     assert out.exit_code == 2 and "--output" in out.output
+    out = cli("query", str(straggler), sql, "--format", "csv", "--output", str(tmp_path / "a.csv"))
+    assert out.exit_code == 0 and (tmp_path / "a.csv").read_text().splitlines()[1] == "0,12"
+    (tmp_path / "link.csv").symlink_to(tmp_path / "elsewhere.csv")
+    for bad in (tmp_path, tmp_path / "link.csv"):  # a folder, a symbolic link: refused before any work
+        out = cli("query", str(straggler), sql, "--format", "csv", "--output", str(bad))
+        assert out.exit_code == 2 and "regular file" in out.stderr, out.output
+    assert not (tmp_path / "elsewhere.csv").exists()
 
 
 def test_steps_window(straggler: Path) -> None:

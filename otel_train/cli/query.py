@@ -39,6 +39,10 @@ def query(
     with cli_errors():
         from otel_train.analysis.query import QueryRefused, open_views, run_sql, schema_rows
 
+        if output is not None:
+            from otel_train.analysis.outputs import refuse_special
+
+            refuse_special(output, "--output")  # a device, FIFO, folder or link: one line, exit 2, before any work
         select_run(run_id)
         con = open_views(path, steps=window, warn=warn, cache=not no_cache, run_id=run_id,
                          sql=None if schema else sql)
@@ -81,7 +85,10 @@ def _emit(result: object, fmt: str, output: Optional[Path]) -> None:
     if output is None:
         print_text(text)
         return
-    output.write_text(text)
+    from otel_train.analysis.outputs import replacing
+
+    with replacing(output, "--output") as f:  # only a regular file replaced; 0644 at most
+        f.write(text.encode())
     warn(f"wrote {len(result.rows)} rows to {output}")  # type: ignore[attr-defined]
 
 

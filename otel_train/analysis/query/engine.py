@@ -203,11 +203,14 @@ def write_parquet(con: duckdb.DuckDBPyConnection, sql: str, path: str, timeout_s
     finally:
         if timer is not None:
             timer.cancel()
+    from otel_train.analysis.outputs import replacing
+
     out = duckdb.connect()
     try:
         out.register("result", data)
-        quoted = path.replace("'", "''")
-        out.execute(f"COPY (SELECT * FROM result) TO '{quoted}' (FORMAT parquet)")
+        with replacing(path, "--output") as f:  # a temporary beside it, renamed: only a regular file replaced
+            quoted = f.name.replace("'", "''")
+            out.execute(f"COPY (SELECT * FROM result) TO '{quoted}' (FORMAT parquet)")
         return int(out.execute("SELECT count(*) FROM result").fetchone()[0])  # type: ignore[index]
     except duckdb.Error as exc:
         raise QueryRefused(f"cannot write {path} as Parquet: {_first_line(exc)}") from None

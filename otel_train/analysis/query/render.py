@@ -50,6 +50,8 @@ def to_json(result: Result) -> str:
 
 def cell(value: Any) -> str:
     """One value as a table or CSV cell: null empty in CSV, ``NULL`` in a table (see :func:`table_cells`)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, float):
         return "" if not math.isfinite(value) else repr(value)
     if isinstance(value, (dict, list, tuple)):
