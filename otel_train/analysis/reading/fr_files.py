@@ -24,9 +24,9 @@ from pathlib import Path
 
 FR_MAX_DEPTH = 4
 """Directory levels read under a dump path, the path itself included: the path and three levels of
-folders below it. The read cache's snapshot of a dump path must look exactly this deep
-(``reading/cache.py``, ``snapshot(path, FR_MAX_DEPTH)``), so a remembered result covers every file
-the reader reads and no other."""
+folders below it. The read cache's snapshot of a dump path must look at least this deep
+(``reading/cache.py``; ``snapshot(path, FR_MAX_DEPTH)`` lists exactly the folders read here), so a
+remembered result covers every file the reader reads."""
 MAX_LISTED = 100_000
 """Directory entries looked at under one dump path at most (a run's dumps are one file per rank and
 incident; a path like ``/`` must not be walked whole)."""
