@@ -59,7 +59,8 @@ __all__ = ["FR_MAX_DEPTH", "MAX_DUMP_BYTES", "FlightRecorderDumps", "Incident", 
            "read_dumps", "safe_loads"]
 
 _NAMED = 10
-"""Entries that are not regular files named one by one (the rest counted in one line)."""
+"""Entries that are not regular files, and files that are no dump, named one by one (the rest counted
+in one line each)."""
 _STATE_ORDER = {"scheduled": 0, "started": 1, "completed": 2}
 _RANK_IN_NAME = re.compile(r"rank[_\-.]?([0-9]+)", re.IGNORECASE | re.ASCII)
 _ATTEMPT_IN_PATH = re.compile(r"attempt[_\-.]?([0-9]{1,6})(?![0-9])", re.IGNORECASE | re.ASCII)
@@ -91,6 +92,7 @@ class FlightRecorderDumps:
     warnings: list[str] = field(default_factory=list)
     skipped: list[Path] = field(default_factory=list)
     odd_values: int = 0  # values skipped in the dumps read (the files' warnings say which first)
+    others: int = 0  # files that are no dump at all or could not be opened (the first 10 named)
 
 
 class RefusedPickle(pickle.UnpicklingError):
@@ -155,6 +157,8 @@ def read_dumps(path: str | Path, *, warn: Warn | None = None, world_size: int | 
         per_process.setdefault((incident.rank, incident.attempt), []).append((newest, ops))
     for key in sorted(per_process):
         out.ops.extend(_merge_incidents(per_process[key]))
+    if out.others > _NAMED:
+        say(f"warning: {path}: {out.others - _NAMED} more files that are no Flight Recorder dump skipped")
     _place_world(out, expected, world_size, bound, say)
     return out
 
@@ -212,7 +216,8 @@ def _read_one(file: Path, follow: bool, bound: int, out: FlightRecorderDumps, sa
     data, why, dumpish = read_dump(file, follow=follow)
     dump, fmt = (None, "") if data is None else _decode(file, data, say)
     if dump is None:
-        if data is None:
+        out.others += data is None and not dumpish
+        if data is None and (dumpish or out.others <= _NAMED):
             say(f"warning: {file}: skipped ({why})")
         named = _rank_of(file, {}, bound, Odd())[0] if dumpish else None
         return named

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from itertools import islice
 from typing import Any
 
 from otel_train import schema
@@ -124,7 +125,7 @@ def _items(value: Any, odd: Odd, where: str) -> Iterable[tuple[Any, Any]]:
         return ()
     if len(value) > MAX_GROUPS:
         odd(where, f"{len(value)} items")
-    return list(value.items())[:MAX_GROUPS]
+    return islice(value.items(), MAX_GROUPS)
 
 
 def member_ranks(value: Any, odd: Odd, bound: int) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ Recorder dumps"):
   ``lstat``): a FIFO, a socket, a device or a link met while listing is never opened, only named;
 * a file is opened ``O_RDONLY | O_NONBLOCK | O_NOFOLLOW`` (the path given itself may be a link, as
   a user's ``--fr`` may be), then ``fstat``: a descriptor that is not a regular file is closed unread;
-* a file is read :data:`SNIFF_BYTES` first: unless its first byte is a pickle's (``\\x80``) or JSON's
+* a file is read :data:`SNIFF_BYTES` (4 KiB) first: unless its first byte is a pickle's (``\\x80``) or JSON's
   (``{`` after blanks) it is read no further; a dump is read up to :data:`MAX_DUMP_BYTES` + 1 bytes,
   never more, whatever the file grows to meanwhile.
 """
@@ -32,7 +32,7 @@ MAX_LISTED = 100_000
 incident; a path like ``/`` must not be walked whole)."""
 MAX_DUMP_BYTES = 256 << 20
 """A file bigger than this is no dump we read (2,000 entries with stacks are a few MB)."""
-SNIFF_BYTES = 64 << 10
+SNIFF_BYTES = 4 << 10
 _FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
