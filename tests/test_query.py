@@ -125,6 +125,19 @@ def test_scalars_instants_and_attrs(straggler: Path) -> None:
     assert attrs == [{"g": "0"}]
 
 
+def test_microbatch_column_takes_only_integers(tmp_path: Path) -> None:
+    p = Proc(rank=0, world_size=1)
+    p.set_step(0)
+    for mb in (0, 1, "two", True, None):
+        p.start("forward", **({} if mb is None else {"microbatch": mb}))
+        p.advance(1.0)
+        p.end()
+    p.shutdown()
+    write_run(tmp_path, [p])
+    rows = ask(tmp_path, "SELECT microbatch FROM spans WHERE name = 'forward' ORDER BY start_ts")
+    assert [r["microbatch"] for r in rows] == [0, 1, None, None, None]
+
+
 def test_aligned_times_move_by_the_clock_estimate(tmp_path: Path) -> None:
     """Host node1's clock runs 40 ms ahead: its aligned times are its records' minus the estimated offset."""
     procs = [Proc(rank=r, world_size=4, host=f"node{r // 2}", t0=1_700_000_000.0 + (0.040 if r >= 2 else 0.0))

@@ -37,14 +37,17 @@ def _json(value: Any, memo: dict[bytes, str]) -> str | None:
     return text
 
 
+def _ints(values: list[int | None]) -> np.ndarray:
+    """A typed field of the model (step, thread id: ints or None, the decoder checked them) as int64."""
+    if values.count(None) == len(values):
+        return np.full(len(values), NULL_INT, dtype=np.int64)
+    return np.array([NULL_INT if v is None else v for v in values], dtype=np.int64)
+
+
 def _int_or_null(values: list[Any]) -> np.ndarray:
-    """Integers as int64, anything else (None, a bool, a float or text from an attribute) as null."""
-    try:  # the common case: ints and Nones only (the model's steps and thread ids are typed)
-        out = np.array([NULL_INT if v is None else v for v in values], dtype=np.int64)
-        if all(type(v) is int or v is None for v in values):
-            return out
-    except (TypeError, ValueError, OverflowError):
-        pass
+    """Integers from attributes as int64, anything else (None, a bool, a float, text) as null."""
+    if values.count(None) == len(values):
+        return np.full(len(values), NULL_INT, dtype=np.int64)
     return np.fromiter((v if type(v) is int and -(2**63) <= v < 2**63 else NULL_INT for v in values),
                        dtype=np.int64, count=len(values))
 
@@ -63,7 +66,7 @@ def span_columns(state: ProcessState) -> dict[str, Any]:
     status = [s.status for s in spans]
     microbatch = [a.get("microbatch") if a else None for a in attrs]
     return {
-        "step": _int_or_null([s.step for s in spans]),
+        "step": _ints([s.step for s in spans]),
         "name": np.array([s.name for s in spans], dtype=object),
         "parent": np.array([names.get(s.parent_span_id) for s in spans], dtype=object),
         "raw_start_ts": _float_or_nan([s.start_ts for s in spans]),
@@ -74,7 +77,7 @@ def span_columns(state: ProcessState) -> dict[str, Any]:
         "span_id": np.array([s.span_id for s in spans], dtype=object),
         "parent_span_id": np.array([s.parent_span_id for s in spans], dtype=object),
         "trace_id": np.array([s.trace_id for s in spans], dtype=object),
-        "tid": _int_or_null([s.tid for s in spans]),
+        "tid": _ints([s.tid for s in spans]),
         "error": np.array([_json(s.error, memo) for s in spans], dtype=object),
         "attrs": np.array([_json(a, memo) for a in attrs], dtype=object),
     }
@@ -85,7 +88,7 @@ def instant_columns(state: ProcessState) -> dict[str, Any]:
     recs = state.instants
     memo: dict[bytes, str] = {}
     return {
-        "step": _int_or_null([r.step for r in recs]),
+        "step": _ints([r.step for r in recs]),
         "raw_ts": _float_or_nan([r.ts for r in recs]),
         "name": np.array([r.name for r in recs], dtype=object),
         "span_id": np.array([r.span_id for r in recs], dtype=object),
@@ -107,7 +110,7 @@ def scalar_columns(state: ProcessState) -> dict[str, Any]:
                 keys.append(key)
                 values.append(float(value))
     return {
-        "step": _int_or_null(steps),
+        "step": _ints(steps),
         "raw_ts": np.array(ts, dtype=np.float64),
         "key": np.array(keys, dtype=object),
         "value": np.array(values, dtype=np.float64),
