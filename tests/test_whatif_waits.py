@@ -124,3 +124,15 @@ def test_device_stream_overlaps_are_snapped_not_detached_or_clustered() -> None:
     far = _ops([(0.0, 5.0), (7.0, 12.0)], [(5.0, 6.0), (6.0 - SNAP_MS - 0.1, 7.0)])
     ch = graph_chain.chain(far)
     assert ch.snapped == 0 and (ch.piece < 0).sum() == 1  # a real overlap: one cluster
+
+
+def test_the_text_says_what_was_left_out_and_how_many_waits(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from otel_train.cli import app
+
+    path = two_ranks(tmp_path / "run", (20.0, 10.0), extra=True)
+    done = CliRunner().invoke(app, ["whatif", str(path), "--method", "typical", "--no-cache"])
+    assert done.exit_code == 0, done.output
+    assert f"Untraced waits on another rank's op: {STEPS}" in done.output
+    assert "Left out of the replay: 1 comm ops (1 with no end time" in done.output

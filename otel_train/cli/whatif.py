@@ -188,6 +188,7 @@ def _render_typical(result: dict[str, Any], out: Console) -> None:
     out.print(f"What-if (typical: every op at its typical duration, after OSDI '25) over {result['steps']} steps: "
               f"mean step {fmt_ms(ms['actual'])} ms (measured {fmt_ms(ms['measured'])} ms), ideal "
               f"{fmt_ms(ms['ideal'])} ms: slowdown S = {_times(result['slowdown'])}")
+    _typical_notes(result, out)
     workers = ", ".join(str(r) for r in result.get("workers", []))
     many = len(result.get("workers", [])) > 1
     out.print(f"Share of the slowdown explained by the last stage: {_share(shares['last_stage'])}; by the slowest "
@@ -211,3 +212,13 @@ def _render_typical(result: dict[str, Any], out: Console) -> None:
             table.add_row(name, _times(r["slowdown"]), fmt_ms(r["cost_ms"]))
         out.print(f"Top {label}s: only that {label} as measured, all else typical")
         out.print(table)
+
+
+def _typical_notes(result: dict[str, Any], out: Console) -> None:
+    """What the replay did with untraced waits and device-stream overlaps, and the ops it could not use."""
+    waits, snapped, left = result.get("waits") or 0, result.get("snapped") or 0, result.get("left_out")
+    if waits or snapped:
+        out.print(f"Untraced waits on another rank's op: {waits} (zero in the ideal, charged to the rank waited for); "
+                  f"comm ops snapped to a neighbour they overlapped by at most 0.2 ms: {snapped}", markup=False)
+    if left:
+        out.print(f"Left out of the replay: {left['ops']} comm ops ({left['why']})", markup=False)
