@@ -87,6 +87,13 @@ test:
 faults: install
 	$(BIN)/python tests/faults/report.py --trials $${FAULT_TRIALS:-100} --examples $${FUZZ_EXAMPLES:-5000}
 
+# Deliberate breakages of the package's key rules, each applied to a temporary copy of the repository and
+# run against the tests that must catch it (tests/mutations.py; docs/architecture.md, "Tests"). Not part of
+# `make test`: it prints the breakages that survive and fails if any does. MUTATIONS="-k clock" picks some.
+.PHONY: mutations
+mutations: install
+	nice -n 10 $(BIN)/python tests/mutations.py $(MUTATIONS)
+
 bench: install
 	$(BIN)/python benchmarks/span_overhead.py
 	$(BIN)/python benchmarks/train_overhead.py

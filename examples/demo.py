@@ -136,7 +136,8 @@ def clean(out: Path) -> None:
 
 def straggler(out: Path) -> None:
     say("\n== 2. Rank 2 is 40 ms slower in data_fetch on every step")
-    with job(out / "straggler", "--slow-rank", "2", "--slow-phase", "data_fetch", "--slow-ms", "40") as proc:
+    with job(out / "straggler", "--slow-rank", "2", "--slow-phase", "data_fetch", "--slow-ms", "40",
+             "--cpu-wait") as proc:
         proc.wait(JOB_TIMEOUT_S)
     show_findings(out / "straggler", ("straggler",))
     show_whatif(out / "straggler")
@@ -146,11 +147,13 @@ def hang(out: Path) -> None:
     say("\n== 3. Rank 1 hangs in forward at step 8; otel-train watch runs beside the job")
     path = out / "hang"
     with job(path, "--hang-rank", "1", "--hang-step", "8", "--hang-phase", "forward", "--timeout-s", "30",
-             OTEL_TRAIN_STALL_MIN_S="3"):
+             "--cpu-wait", OTEL_TRAIN_STALL_MIN_S="3"):
         say(f"$ otel-train watch {path} --stacks --exit-on hang")
         watch = subprocess.run(command("watch", str(path), "--json", "--stacks", "--exit-on", "hang",
                                        "--timeout", str(JOB_TIMEOUT_S)), capture_output=True, text=True,
                                timeout=JOB_TIMEOUT_S + 30)
+        (path / "analysis").mkdir(exist_ok=True)
+        (path / "analysis" / "watch.jsonl").write_text(watch.stdout)  # what watch said live, as it said it
         for line in watch.stdout.splitlines():
             event = json.loads(line)
             if event["type"] == "finding":
@@ -165,7 +168,7 @@ def hang(out: Path) -> None:
 def desync(out: Path) -> None:
     say("\n== 4. Rank 3 calls broadcast where the others call all_reduce")
     with job(out / "desync", "--fault", "desync-op", "--fault-rank", "3", "--fault-step", "5",
-             "--timeout-s", "5") as proc:
+             "--timeout-s", "5", "--cpu-wait") as proc:
         try:
             proc.wait(JOB_TIMEOUT_S)
         except subprocess.TimeoutExpired:

@@ -129,6 +129,28 @@ def test_ops_that_do_not_end_together_do_not_move_it() -> None:
     assert 150 <= b.samples <= 170  # the descheduled collectives (~20 %) are trimmed
 
 
+def test_a_host_that_leaves_late_at_most_collectives_is_no_offset() -> None:
+    # Two hosts, b's clock 1 s ahead. At 7 collectives in 10 host b's ranks are descheduled on their way
+    # out and leave 2 ms after host a's; at the rest every member leaves within 20 us of the end, which
+    # comes 50 us after the last arrival (a random member's). The ends alone read b as 1.002 s ahead (the
+    # trimmed line keeps the late majority); causality cannot: where a rank of host a arrived last and b's
+    # ranks left 50 us later, b's offset is at most 1.00005 s. The line is moved into that bound.
+    rng = np.random.default_rng(11)
+    graph = CommGraph(world=4)
+    graph.hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    for k in range(200):
+        t = T0 + k * 0.1
+        arrive = t + rng.uniform(0.0, 0.005, 4)
+        end = arrive.max() + 50e-6 + rng.uniform(0, 20e-6, 4)
+        if k % 10 < 7:
+            end[2:] += 0.002
+        for r in range(4):
+            skew = 1.0 if r >= 2 else 0.0
+            graph.add(CommOp(r, 0, "0", k, "all_reduce", float(arrive[r] + skew), float(end[r] + skew)))
+    b = estimate([graph], T0).hosts["b"]
+    assert abs(b.offset_s - 1.0) * 1e3 < 0.1 and b.drift == 0.0, b
+
+
 def test_one_host_or_no_collective_has_no_rows() -> None:
     one = CommGraph(world=2)
     one.hosts = {0: "a", 1: "a"}
