@@ -58,9 +58,9 @@ Warn = Callable[[str], None]
 __all__ = ["FR_MAX_DEPTH", "MAX_DUMP_BYTES", "FlightRecorderDumps", "Incident", "RefusedPickle", "SafeUnpickler",
            "read_dumps", "safe_loads"]
 
-_NAMED = 10
-"""Entries that are not regular files, and files that are no dump, named one by one (the rest counted
-in one line each)."""
+MAX_FILE_LINES = 50
+"""Warning lines about single files (skipped, refused, odd values) said per read; the rest are counted
+in one line, so a folder of 100,000 files that are no dumps costs no flood."""
 _STATE_ORDER = {"scheduled": 0, "started": 1, "completed": 2}
 _RANK_IN_NAME = re.compile(r"rank[_\-.]?([0-9]+)", re.IGNORECASE | re.ASCII)
 _ATTEMPT_IN_PATH = re.compile(r"attempt[_\-.]?([0-9]{1,6})(?![0-9])", re.IGNORECASE | re.ASCII)
@@ -92,7 +92,7 @@ class FlightRecorderDumps:
     warnings: list[str] = field(default_factory=list)
     skipped: list[Path] = field(default_factory=list)
     odd_values: int = 0  # values skipped in the dumps read (the files' warnings say which first)
-    others: int = 0  # files that are no dump at all or could not be opened (the first 10 named)
+    file_lines: int = 0  # warning lines about single files (the first MAX_FILE_LINES said, the rest counted)
 
 
 class RefusedPickle(pickle.UnpicklingError):
@@ -130,18 +130,18 @@ def read_dumps(path: str | Path, *, warn: Warn | None = None, world_size: int | 
     (else :data:`MAX_RANKS`) is no rank of the run.
     """
     out = FlightRecorderDumps()
-    say = _sayer(out, warn)
+    say, per_file = _sayer(out, warn)
     bound = min(world_size, MAX_RANKS) if world_size and world_size > 0 else MAX_RANKS
     for group in groups:
         out.groups.setdefault(group.group, group)
     per_process: dict[tuple[int, int], list[tuple[float, list[CommOp]]]] = {}
     expected: set[int] = set()  # ranks named by damaged dumps: still of the world
-    for file, follow in _dump_files(Path(path), out, say):
+    for file, follow in _dump_files(Path(path), out, per_file, say):
         try:
-            read = _read_one(file, follow, bound, out, say)
+            read = _read_one(file, follow, bound, out, per_file)
         except Exception as exc:  # noqa: BLE001 - one bad dump never costs the good ones
             read = None
-            say(f"warning: {file}: skipped (not readable as a dump: {type(exc).__name__})")
+            per_file(f"warning: {file}: skipped (not readable as a dump: {type(exc).__name__})")
         if not isinstance(read, tuple):
             out.skipped.append(file)
             if read is not None:
@@ -157,8 +157,8 @@ def read_dumps(path: str | Path, *, warn: Warn | None = None, world_size: int | 
         per_process.setdefault((incident.rank, incident.attempt), []).append((newest, ops))
     for key in sorted(per_process):
         out.ops.extend(_merge_incidents(per_process[key]))
-    if out.others > _NAMED:
-        say(f"warning: {path}: {out.others - _NAMED} more files that are no Flight Recorder dump skipped")
+    if out.file_lines > MAX_FILE_LINES:
+        say(f"warning: {path}: {out.file_lines - MAX_FILE_LINES} more warnings about single files not shown")
     _place_world(out, expected, world_size, bound, say)
     return out
 
@@ -186,24 +186,28 @@ def _spans(ranks: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _sayer(out: FlightRecorderDumps, warn: Warn | None) -> Warn:
+def _sayer(out: FlightRecorderDumps, warn: Warn | None) -> tuple[Warn, Warn]:
+    """One line to ``warn`` and ``warnings``; and the same for lines about single files, the first
+    :data:`MAX_FILE_LINES` of them (the rest counted in ``file_lines``)."""
     def say(line: str) -> None:
         out.warnings.append(line)
         if warn is not None:
             warn(line)
-    return say
+
+    def per_file(line: str) -> None:
+        out.file_lines += 1
+        if out.file_lines <= MAX_FILE_LINES:
+            say(line)
+    return say, per_file
 
 
-def _dump_files(path: Path, out: FlightRecorderDumps, say: Warn) -> list[tuple[Path, bool]]:
+def _dump_files(path: Path, out: FlightRecorderDumps, per_file: Warn, say: Warn) -> list[tuple[Path, bool]]:
     """The regular files under ``path`` (:func:`list_dumps`; each with whether it may be a link: only
-    the path given); what is not a regular file is named (the first :data:`_NAMED`) and skipped unopened."""
+    the path given); what is not a regular file is named and skipped unopened."""
     listing = list_dumps(path)
-    for i, (file, why) in enumerate(listing.refused):
+    for file, why in listing.refused:
         out.skipped.append(file)
-        if i < _NAMED:
-            say(f"warning: {file}: skipped unopened ({why}, not a Flight Recorder dump)")
-    if len(listing.refused) > _NAMED:
-        say(f"warning: {path}: {len(listing.refused) - _NAMED} more entries that are not regular files skipped unopened")
+        per_file(f"warning: {file}: skipped unopened ({why}, not a Flight Recorder dump)")
     for note in listing.notes:
         say(f"warning: {path}: {note}")
     return [(file, listing.top_is_file) for file in listing.files]
@@ -216,8 +220,7 @@ def _read_one(file: Path, follow: bool, bound: int, out: FlightRecorderDumps, sa
     data, why, dumpish = read_dump(file, follow=follow)
     dump, fmt = (None, "") if data is None else _decode(file, data, say)
     if dump is None:
-        out.others += data is None and not dumpish
-        if data is None and (dumpish or out.others <= _NAMED):
+        if data is None:
             say(f"warning: {file}: skipped ({why})")
         named = _rank_of(file, {}, bound, Odd())[0] if dumpish else None
         return named

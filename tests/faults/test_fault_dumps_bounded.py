@@ -11,7 +11,8 @@ shape bomb):
 * ``rank: 10**12`` in a dump, a number in a file name (``notes-20261207.txt``);
 * one odd value per dump: ``'²'``, ``'--5'``, a 5,000-digit string, ``nccl:send 0->²``, a group name
   nested 200,000 deep;
-* a FIFO named ``rank_1.json``, a link ``rank_1.pkl -> /dev/zero``, a dump five folder levels down.
+* a FIFO named ``rank_1.json``, a link ``rank_1.pkl -> /dev/zero``, a dump five folder levels down,
+  120 files that are no dump.
 
 What must hold: every command exits 0 in bounded time; the good dumps are read (their ops, ranks 0
 and 1); each bad file or odd value is skipped with a line naming it and counted; no rank past the
@@ -35,6 +36,7 @@ from analysis_fixtures import Proc, write_run
 from comm_sim import declare, dp_steps
 from faultlib import reported
 
+from otel_train.analysis.flight_recorder import MAX_FILE_LINES
 from otel_train.analysis.reading.fr_files import FR_MAX_DEPTH
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "fr"
@@ -204,6 +206,8 @@ def test_fifos_links_and_deep_dumps_are_never_opened(tmp_path: Path) -> None:
         shutil.copy(DATA / "later" / "host-a.rank0.pkl", deep / "host-a.rank0.pkl")
         shallow = fr.joinpath(*levels[:-1])
         shutil.copy(DATA / "later" / "host-b.rank1.pkl", shallow / "host-b.rank1.pkl")
+        for i in range(120):  # no dumps: with the FIFO and the link, 122 lines about single files, 50 said
+            (fr / f"notes{i}.txt").write_text("not a dump\n")
         run = _run(tmp_path, fr_dir=fr)
         _commands(run, None)  # the trace's fr_dir
         done = _cli("watch", str(run), "--json", "--timeout", "3", "--fr", str(fr))
@@ -217,3 +221,4 @@ def test_fifos_links_and_deep_dumps_are_never_opened(tmp_path: Path) -> None:
         assert any("FIFO" in w and "rank_1.json" in w for w in got["warnings"]), got["warnings"]
         assert any("symbolic link" in w and "rank_1.pkl" in w for w in got["warnings"]), got["warnings"]
         assert any("deeper than" in w for w in got["warnings"]), got["warnings"]
+        assert len(got["warnings"]) <= MAX_FILE_LINES + 3 and "72 more warnings" in got["warnings"][-2], got["warnings"][-3:]

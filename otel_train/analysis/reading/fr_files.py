@@ -83,7 +83,7 @@ def _walk(folder: Path, level: int, out: Listing, seen: list[int]) -> None:
         if stat.S_ISDIR(mode):
             if level < FR_MAX_DEPTH:
                 _walk(Path(entry.path), level + 1, out, seen)
-            elif not any("folder levels" in n for n in out.notes):
+            elif not any("deeper than" in n for n in out.notes):
                 out.notes.append(f"folders deeper than {FR_MAX_DEPTH} levels are not read (first: {entry.path})")
         elif stat.S_ISREG(mode):
             out.files.append(Path(entry.path))
