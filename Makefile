@@ -29,14 +29,17 @@ install: $(STAMP)
 BYTECODE = @$(BIN)/python -m compileall -q -j 0 otel_train exporters examples tests benchmarks >/dev/null
 
 # Debian's chromium drives the real Perfetto UI in tests/test_perfetto_ui.py; Debian's libfaketime gives
-# each "host" of tests/test_clock_torchrun.py a clock of its own. One apt-get for whichever is missing
+# each "host" of tests/test_clock_torchrun.py a clock of its own; Debian's libfuse2 lets fusepy mount the
+# hung FUSE file system of tests/faults/test_fault_stall_write.py. One apt-get for whichever is missing
 # (two at once would fight over dpkg's lock when make runs them side by side).
 CHROMIUM_OK := command -v chromium >/dev/null 2>&1
 FAKETIME_OK := test -e /usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1
+LIBFUSE_OK  := test -e /usr/lib/x86_64-linux-gnu/libfuse.so.2
 system-tools:
 	@missing=""; $(CHROMIUM_OK) || missing="$$missing chromium"; $(FAKETIME_OK) || missing="$$missing faketime"; \
+	$(LIBFUSE_OK) || missing="$$missing libfuse2"; \
 	if [ -n "$$missing" ]; then \
-	  echo "installing Debian$$missing for the Perfetto UI and multi-host clock tests"; \
+	  echo "installing Debian$$missing for the Perfetto UI, multi-host clock and FUSE tests"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 	  || echo "warning: could not install$$missing; the tests that need it will skip"; fi
 

@@ -101,10 +101,10 @@ def lines_of(path: Path) -> list[tuple[int, int]]:
 class Child:
     """The training process, its progress files, and its stderr lines stamped as they arrive."""
 
-    def __init__(self, tmp: Path, mode: str, fifo: Path) -> None:
+    def __init__(self, tmp: Path, mode: str, fifo: Path, run: Path | None = None) -> None:
         script = tmp / "child.py"
         script.write_text(CHILD)
-        self.run = tmp / "run"
+        self.run = run or tmp / "run"
         self.progress, self.loader = tmp / "progress.txt", tmp / "loader.txt"
         self.proc = subprocess.Popen([sys.executable, str(script), str(self.run), str(fifo), str(self.progress),
                                       str(self.loader), mode], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -281,3 +281,80 @@ def test_a_stall_that_resumes_reports_what_it_dropped(tmp_path: Path) -> None:
         assert end[S.ATTRS]["dropped_records"] == len(before) + stall["dropped_records"]
         print(f"resume: stalled {stall['stalled_ms']:.0f} ms, {stall['dropped_records']} records dropped, "
               f"SIGTERM took {took:.2f} s")
+
+
+STALLFS = Path(__file__).with_name("stallfs.py")
+
+
+def _mount(tmp: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """A stalling FUSE mount (stallfs.py), or a skip saying why there can be none here."""
+    try:
+        import fuse  # noqa: F401 - fusepy, with Debian's libfuse2 (make test installs both)
+    except (ImportError, OSError, EnvironmentError) as exc:
+        import pytest
+
+        pytest.skip(f"no FUSE here ({exc}): make test installs fusepy and Debian's libfuse2")
+    mnt, flag = tmp / "mnt", tmp / "stall.flag"
+    mnt.mkdir()
+    daemon = subprocess.Popen([sys.executable, str(STALLFS), str(mnt), str(flag)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    end = time.monotonic() + 20
+    while not os.path.ismount(mnt):
+        if daemon.poll() is not None or time.monotonic() > end:
+            import pytest
+
+            daemon.kill()
+            pytest.skip(f"FUSE mount refused here: {daemon.stderr.read().decode(errors='replace')[-300:]}")
+        time.sleep(0.05)
+    return daemon, mnt, flag
+
+
+def _unmount(daemon: subprocess.Popen, mnt: Path, flag: Path) -> None:
+    flag.unlink(missing_ok=True)  # the daemon answers again: nothing stays stuck in the kernel
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+    daemon.terminate()
+    try:
+        daemon.wait(10)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait(10)
+
+
+def test_a_hung_fuse_daemon_is_reported_other_threads_drop_and_the_stall_is_announced(tmp_path: Path) -> None:
+    holds = ("a real FUSE mount whose daemon stops answering writes: the stall on stderr within 2 s of the last step; "
+             "the loader thread goes on, its records dropped and counted; once the daemon answers, a notice with "
+             "their count, training resumes, SIGTERM ends the process and process_end counts every record not written")
+    with reported("trace file on a FUSE mount whose daemon hangs (a hung gcsfuse), then answers", holds, 1):
+        daemon, mnt, flag = _mount(tmp_path)
+        try:
+            child = Child(tmp_path, "plain", tmp_path / "unused", run=mnt / "run")
+            try:
+                child.wait_for("50 steps", lambda: len(child.steps()) > 50, 60)
+                flag.touch()  # the daemon hangs
+                child.wait_for("the stall's report", lambda: child.said("has stalled") is not None, 20)
+                reported_at = child.said("has stalled")
+                time.sleep(0.5)
+                flag.unlink()  # the daemon answers again
+                resumed_at = time.monotonic_ns()
+                child.wait_for("steps after the resume", lambda: child.steps()[-1][1] > resumed_at + 3e8, 20)
+                took = child.terminate()
+            finally:
+                child.kill()
+            stuck = [t for _, t in child.steps() if t < reported_at][-1]
+            latency = (reported_at - stuck) / 1e9
+            loads = [n for n, t in lines_of(child.loader) if reported_at < t < resumed_at]
+            trace = records(next((mnt / "run" / S.STRUCTURED_LOGS_DIR).glob(f"*{S.FILE_SUFFIX}")).read_bytes())
+        finally:
+            _unmount(daemon, mnt, flag)
+        assert latency <= REPORT_BOUND_S, latency
+        assert len(loads) >= 20, loads  # the loader went on while the training thread was stuck
+        seqs = [r[S.SEQ] for r in trace]
+        assert seqs == list(range(1, len(seqs) + 1))
+        (notice,) = [r[S.ATTRS] for r in trace if r.get(S.ATTRS, {}).get("reason") == "trace file write stalled"]
+        assert notice["dropped_records"] >= len(loads) - 1 and notice["stalled_ms"] >= 400
+        end = trace[-1]
+        assert end[S.NAME] == S.INSTANT_PROCESS_END and end[S.ATTRS]["signal"] == "SIGTERM"
+        assert end[S.ATTRS]["dropped_records"] == notice["dropped_records"]
+        print(f"FUSE: reported {latency * 1e3:.0f} ms after the last step, {notice['dropped_records']} records of "
+              f"other threads dropped, stalled {notice['stalled_ms']:.0f} ms, SIGTERM took {took:.2f} s")
+
