@@ -33,10 +33,10 @@ class Chain:
 
 def snap(ls: np.ndarray, le: np.ndarray, ro: RankOps) -> int:
     """Snap the rank's comm ops (in place) where they overlap a neighbour by more than the records'
-    resolution and at most :data:`SNAP_MS` (times from CUDA events on several streams): an op that began just before the leaf it follows
-    ended starts at that end; one that began just before the comm op before it ended, at that end; one
-    that ended just after the next leaf began, ends there. ``ls``, ``le``: the serialised leaves,
-    sorted. Returns how many ops were moved."""
+    resolution and at most :data:`SNAP_MS` (times from CUDA events on several streams): an op that
+    began just before the leaf it follows ended starts at that end; one that began just before the comm
+    op before it ended, at that end; one that ended just after the next leaf began, ends there. ``ls``,
+    ``le``: the serialised leaves, sorted. Returns how many ops were moved."""
     cs, ce = ro.c_start, ro.c_end
     if cs.size == 0:
         return 0
@@ -44,7 +44,8 @@ def snap(ls: np.ndarray, le: np.ndarray, ro: RankOps) -> int:
     if ls.size:
         i = np.searchsorted(ls, cs, side="right") - 1
         tail = np.where(i >= 0, le[np.maximum(i, 0)], -np.inf)
-        fix = (tail > cs + RESOLUTION_MS) & (tail - cs <= SNAP_MS) & (ce > tail + RESOLUTION_MS)  # not a child ending with it
+        # begun in the last SNAP_MS of a leaf and ended after it (an op of a child span ends with the leaf)
+        fix = (tail > cs + RESOLUTION_MS) & (tail - cs <= SNAP_MS) & (ce > tail + RESOLUTION_MS)
         cs[fix], moved[fix] = tail[fix], True
     order = np.argsort(cs, kind="stable")
     reach = np.concatenate([[-np.inf], np.maximum.accumulate(ce[order])[:-1]])
@@ -144,7 +145,8 @@ def chain(ro: RankOps) -> Chain:
                       else -1, -1)
     return Chain(start[items], np.concatenate([pe, cl_e])[items], block,
                  np.concatenate([ro.l_name[lo][leaf], cl_name])[items],
-                 np.concatenate([piece, np.full(cl_s.size, -1)])[items], where[ps.size + of], order, detached, waiter, snapped)
+                 np.concatenate([piece, np.full(cl_s.size, -1)])[items], where[ps.size + of], order, detached, waiter,
+                 snapped)
 
 
 
