@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_comm_faults import DDP, launch, stop
+from test_comm_faults import DDP, blamed, launch, stop
 
 from otel_train.analysis.summary import summarize
 
@@ -52,7 +52,7 @@ def jobs(root: Path) -> dict[str, Any]:
         "clean": launch("train_ddp.py", paths["clean"], 2, *DDP),
         "straggler": launch("train_ddp.py", paths["straggler"], 2, "--steps", "20", "--eval-every", "0",
                             "--checkpoint-every", "0", "--hidden", "64", "--gpu-wait-ms", "30",
-                            "--slow-rank", str(SLOW_RANK), "--slow-ms", "40"),
+                            "--slow-rank", str(SLOW_RANK), "--slow-ms", "40", "--cpu-wait"),
         "desync": launch("train_ddp.py", paths["desync"], 3, *DDP, "--fault", "desync-op", "--fault-rank", "2",
                          "--fault-step", "3", "--timeout-s", "8"),
         "hang": launch("train_ddp.py", paths["hang"], 2, *DDP, "--fault", "skip-collective", "--fault-rank", "1",
@@ -156,9 +156,16 @@ def test_every_answer_says_what_to_call_next(answers: dict[str, Any]) -> None:
             assert all(n["tool"] in TOOLS for n in ans["next"]), (key, ans["next"])
 
 
-def test_live_hang_names_the_rank_that_skipped_the_collective(answers: dict[str, Any]) -> None:
+def culprits(found: list[dict[str, Any]], save: Path) -> set[int]:
+    """The ranks named by hang, desync or straggler findings, stragglers the machine made (the kernel's
+    word: tests/contention.py) left out."""
+    return blamed({"findings": found}, save)
+
+
+def test_live_hang_names_the_rank_that_skipped_the_collective(answers: dict[str, Any], jobs: dict[str, Any]) -> None:
     (hang,) = [f for f in answers["live"]["findings"] if f["kind"] == "hang"]
-    assert hang["rank"] == 1 and hang["comm"]["missing"] == [1], hang
+    assert hang["rank"] == 1 and hang["comm"]["missing"] == [1] and hang["comm"]["waiting"] == [0], hang
+    assert culprits(answers["live"]["findings"], jobs["paths"]["hang"]) == {1}, answers["live"]["findings"]
     op = answers["live_collective"]
     assert op["missing"] == [1] and op["waiting"] == [0] and "never issued" in op["who_waited_for_whom"], op
     opened = answers["live_open"]["rows"]
@@ -168,26 +175,29 @@ def test_live_hang_names_the_rank_that_skipped_the_collective(answers: dict[str,
     assert after["rank"] == 1, after
 
 
-def test_desync_names_the_minority_rank_and_each_side(answers: dict[str, Any]) -> None:
+def test_desync_names_the_minority_rank_and_each_side(answers: dict[str, Any], jobs: dict[str, Any]) -> None:
     (d,) = [f for f in answers["findings_desync"]["findings"] if f["kind"] == "desync"]
     assert d["rank"] == 2, d
+    assert culprits(answers["findings_desync"]["findings"], jobs["paths"]["desync"]) == {2}
     op = answers["desync_op"]
     ops = {a["rank"]: a["op"] for a in op["arrivals"]}
     assert ops[2] == "broadcast" and ops[0] == ops[1] == "all_reduce", op
     assert any(n["tool"] == "collective" for n in answers["findings_desync"]["next"])
 
 
-def test_straggler_is_named_and_whatif_blames_it(answers: dict[str, Any]) -> None:
-    stragglers = [f["rank"] for f in answers["findings_straggler"]["findings"] if f["kind"] == "straggler"]
-    assert SLOW_RANK in stragglers, answers["findings_straggler"]
+def test_straggler_is_named_and_whatif_blames_it(answers: dict[str, Any], jobs: dict[str, Any]) -> None:
+    found = answers["findings_straggler"]["findings"]
+    assert SLOW_RANK in [f["rank"] for f in found if f["kind"] == "straggler"], found
+    assert culprits(found, jobs["paths"]["straggler"]) == {SLOW_RANK}, found
     assert answers["whatif"]["by_rank"][0]["rank"] == SLOW_RANK, answers["whatif"]["by_rank"]
     rows = answers["arrivals"]["rows"]
     assert max(rows, key=lambda r: r["last"])["rank"] == SLOW_RANK, rows
 
 
-def test_clean_run_has_no_culprit(answers: dict[str, Any]) -> None:
-    bad = [f for f in answers["findings_clean"]["findings"] if f["kind"] in ("hang", "crash", "desync", "error")]
-    assert bad == [], bad
+def test_clean_run_has_no_culprit(answers: dict[str, Any], jobs: dict[str, Any]) -> None:
+    found = answers["findings_clean"]["findings"]
+    assert [f for f in found if f["kind"] in ("hang", "crash", "desync", "error")] == [], found
+    assert culprits(found, jobs["paths"]["clean"]) == set(), found
     over = answers["overview_clean"]
     assert over["ranks"] == 2 and all(p["ended_cleanly"] for p in over["processes"]), over
     assert answers["span"]["span"]["span_id"] == answers["capped"]["rows"][0]["span_id"]
@@ -224,3 +234,23 @@ def test_nothing_outside_the_roots(answers: dict[str, Any]) -> None:
         assert "outside the roots" in answers[key]["error"], (key, answers[key])
     assert "refused" in answers["hostile_sql"]["error"]
     assert "COPY" in answers["hostile_write"]["error"] and not Path("/tmp/otel-mcp-x.csv").exists()
+
+
+def test_flight_recorder_folder_recorded_outside_the_roots_is_not_read(tmp_path: Path) -> None:
+    """A trace file can name any fr_dir in its settings: the server reads dumps only inside its roots."""
+    from analysis_fixtures import Proc, write_run
+
+    from otel_train.analysis.mcp.roots import Roots
+    from otel_train.analysis.query import dumps_dir
+    from otel_train.analysis.spans import load_run
+
+    outside = tmp_path / "elsewhere"
+    run = tmp_path / "root" / "run"
+    p = Proc(rank=0, world_size=1)
+    p.instant("process_start", settings={"fr_dir": str(outside)})
+    p.shutdown()
+    write_run(run, [p])
+    loaded = load_run(run, warn=lambda _: None)
+    roots = Roots([tmp_path / "root"])
+    assert dumps_dir(run, loaded, None) == outside  # the CLI reads what the run recorded
+    assert dumps_dir(run, loaded, roots.inside) == run / "flight_recorder"

@@ -11,13 +11,13 @@ from otel_train.analysis.mcp.roots import Roots
 from otel_train.analysis.mcp.tools import DEFAULT_ROWS, MAX_ROWS, QUERY_TIMEOUT_S, _quiet, _window, hint
 
 
-def _rows(run_dir: Path, sql: str, params: list[Any] | None = None, *, max_rows: int = MAX_ROWS,
+def _rows(roots: Roots, run_dir: Path, sql: str, params: list[Any] | None = None, *, max_rows: int = MAX_ROWS,
           steps: tuple[int, int] | None = None) -> tuple[list[dict[str, Any]], bool]:
-    """(rows as objects, truncated) of ``sql`` over the run's views."""
+    """(rows as objects, truncated) of ``sql`` over the run's views (dumps read only inside the roots)."""
     from otel_train.analysis.query import open_views, run_sql
     from otel_train.analysis.query.render import records
 
-    con = open_views(run_dir, warn=_quiet, steps=steps, sql=sql)
+    con = open_views(run_dir, warn=_quiet, steps=steps, sql=sql, dumps_allowed=roots.inside)
     try:
         if params:
             cur = con.execute(sql, params)
@@ -37,7 +37,7 @@ def _rows(run_dir: Path, sql: str, params: list[Any] | None = None, *, max_rows:
 def query(roots: Roots, run: str, sql: str, max_rows: int = DEFAULT_ROWS, steps: str | None = None) -> dict[str, Any]:
     run_dir = roots.run(run)
     cap = max(1, min(int(max_rows), MAX_ROWS))
-    rows, truncated = _rows(run_dir, sql, max_rows=cap, steps=_window(steps))
+    rows, truncated = _rows(roots, run_dir, sql, max_rows=cap, steps=_window(steps))
     out: dict[str, Any] = {"run": str(run_dir), "rows": rows, "row_count": len(rows), "truncated": truncated}
     if truncated:
         out["note"] = f"more than {cap} rows: only the first {cap} are here; add a WHERE, an ORDER BY and a LIMIT"
@@ -57,18 +57,18 @@ COMM_SQL = "SELECT * FROM comm WHERE span_id = ? AND rank = ? AND attempt = ? LI
 
 def span_details(roots: Roots, run: str, span_id: str, rank: int | None = None) -> dict[str, Any]:
     run_dir = roots.run(run)
-    spans, _ = _rows(run_dir, SPAN_SQL, [span_id, rank, rank])
+    spans, _ = _rows(roots, run_dir, SPAN_SQL, [span_id, rank, rank])
     if not spans:
         return {"run": str(run_dir), "error": f"no span {span_id!r}" + (f" on rank {rank}" if rank is not None else ""),
                 "next": [hint("query", "find span ids", run=str(run_dir),
                               sql="SELECT rank, step, name, span_id, dur_ms FROM spans ORDER BY dur_ms DESC LIMIT 20")]}
     span = spans[0]
     key = [span_id, span["rank"], span["attempt"]]
-    parent, _ = (_rows(run_dir, SPAN_SQL, [span["parent_span_id"], span["rank"], span["rank"]])
+    parent, _ = (_rows(roots, run_dir, SPAN_SQL, [span["parent_span_id"], span["rank"], span["rank"]])
                  if span.get("parent_span_id") else ([], False))
-    children, _ = _rows(run_dir, CHILD_SQL, key)
-    instants, _ = _rows(run_dir, INSTANT_SQL, key)
-    comm, _ = _rows(run_dir, COMM_SQL, key)
+    children, _ = _rows(roots, run_dir, CHILD_SQL, key)
+    instants, _ = _rows(roots, run_dir, INSTANT_SQL, key)
+    comm, _ = _rows(roots, run_dir, COMM_SQL, key)
     out = {"run": str(run_dir), "span": span, "parent": parent[0] if parent else None, "children": children,
            "instants": instants, "comm": comm[0] if comm else None, "also_on_ranks": [s["rank"] for s in spans[1:]]}
     nxt = []
@@ -98,7 +98,7 @@ def collective(roots: Roots, run: str, group: str, seq: int, attempt: int | None
     from otel_train.analysis.spans import load_run
 
     run_dir = roots.run(run)
-    ops, truncated = _rows(run_dir, COLLECTIVE_SQL, [str(group), int(seq), attempt, attempt])
+    ops, truncated = _rows(roots, run_dir, COLLECTIVE_SQL, [str(group), int(seq), attempt, attempt])
     graphs = load_run(run_dir, warn=_quiet).comm
     graph = next((g for (_, a), g in sorted(graphs.items(), key=lambda kv: -kv[0][1])
                   if attempt is None or a == attempt), None)
@@ -135,7 +135,11 @@ def export(roots: Roots, run: str, format: str = "perfetto", steps: str | None =
     target = out_dir / ("structured_trace.pftrace" if format == "perfetto" else "structured_trace.json")
     if target.is_symlink():
         raise ValueError(f"{target.name} in {run_dir.name}/analysis is a link: refused")
-    result = export_run(run_dir, format, target, steps=_window(steps))
+    from otel_train.analysis.query import dumps_dir
+    from otel_train.analysis.spans import load_run
+
+    fr = dumps_dir(run_dir, load_run(run_dir, warn=_quiet), roots.inside)
+    result = export_run(run_dir, format, target, steps=_window(steps), fr=fr)
     return {"run": str(run_dir), "path": str(target), "format": format, "bytes": target.stat().st_size,
             "slices": getattr(result, "slices", None),
             "next": [hint("findings", "open the file in ui.perfetto.dev; the findings name where to look",

@@ -56,12 +56,14 @@ def _window(steps: str | None) -> tuple[int, int] | None:
     return a, b
 
 
-def _summary(run_dir: Path) -> dict[str, Any]:
+def _summary(roots: Roots, run_dir: Path) -> dict[str, Any]:
+    """``summarize --json`` of the run, Flight Recorder dumps read only from inside the roots."""
+    from otel_train.analysis.query import dumps_dir
     from otel_train.analysis.spans import load_run
-    from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
+    from otel_train.analysis.summary import summarize_run, with_dumps
 
     run = load_run(run_dir, warn=_quiet)
-    return summarize_run(with_dumps(run, default_fr(run_dir, run), _quiet))
+    return summarize_run(with_dumps(run, dumps_dir(run_dir, run, roots.inside), _quiet))
 
 
 def list_runs(roots: Roots) -> dict[str, Any]:
@@ -80,7 +82,7 @@ def list_runs(roots: Roots) -> dict[str, Any]:
 
 def run_overview(roots: Roots, run: str) -> dict[str, Any]:
     run_dir = roots.run(run)
-    summary = _summary(run_dir)
+    summary = _summary(roots, run_dir)
     truncated: list[str] = []
     procs = summary["processes"]
     kinds: dict[str, int] = {}
@@ -119,7 +121,7 @@ def _mesh(run_dir: Path) -> dict[str, Any]:
 
 def findings(roots: Roots, run: str, kind: str | None = None, limit: int = 20) -> dict[str, Any]:
     run_dir = roots.run(run)
-    found = [f for f in _summary(run_dir)["findings"] if kind is None or f["kind"] == kind]
+    found = [f for f in _summary(roots, run_dir)["findings"] if kind is None or f["kind"] == kind]
     truncated: list[str] = []
     rows = []
     for f in capped(found, "findings", truncated, max(1, min(limit, LIST_CAP))):

@@ -47,10 +47,11 @@ def groups_named(sql: str | None) -> list[str]:
 
 
 def compute_tables(path: str | Path, steps: tuple[int, int] | None, warn: Warn, groups: list[str],
-                   cache: bool = True) -> dict[str, Tables]:
+                   cache: bool = True, dumps_allowed: Callable[[Path], bool] | None = None) -> dict[str, Tables]:
     """Each group's view columns for the run at ``path``: the records group by one read through the
     span model (which also gives the run), else the compact run (the read cache serves it); the model
-    group from the run's comm graphs and its summarize object (Flight Recorder dumps merged)."""
+    group from the run's comm graphs and its summarize object (Flight Recorder dumps merged: from the
+    run's recorded ``fr_dir`` unless ``dumps_allowed`` refuses it, then from ``<run>/flight_recorder``)."""
     from otel_train.analysis.query.views import model_tables, record_tables
     from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
 
@@ -59,16 +60,28 @@ def compute_tables(path: str | Path, steps: tuple[int, int] | None, warn: Warn, 
         from otel_train.analysis.query.load import load_for_views
 
         loaded = load_for_views(path, warn=warn, steps=steps)
-        run = with_dumps(loaded.run, default_fr(path, loaded.run), warn)
+        run = with_dumps(loaded.run, dumps_dir(path, loaded.run, dumps_allowed), warn)
         out["records"] = record_tables(loaded)
     else:
         from otel_train.analysis.spans import load_run
 
         run = load_run(path, warn=warn, steps=steps, cache=cache)
-        run = with_dumps(run, default_fr(path, run), warn)
+        run = with_dumps(run, dumps_dir(path, run, dumps_allowed), warn)
     if "model" in groups:
         out["model"] = model_tables(run, summarize_run(run))
     return out
+
+
+def dumps_dir(path: str | Path, run: Any, allowed: Callable[[Path], bool] | None) -> Path:
+    """Where the run's Flight Recorder dumps are read from: its recorded ``fr_dir`` (``default_fr``),
+    or ``<run>/flight_recorder`` when ``allowed`` refuses that (a folder outside an MCP server's roots)."""
+    from otel_train.analysis.summary import FR_DIR, default_fr
+
+    fr = default_fr(path, run)
+    if allowed is None or allowed(fr):
+        return fr
+    logs = logs_dir(path)
+    return (logs.parent if logs.name == "structured_logs" else logs) / FR_DIR
 
 
 def _db(recall: Recall) -> Path | None:
@@ -77,16 +90,18 @@ def _db(recall: Recall) -> Path | None:
 
 
 def open_views(path: str | Path, *, steps: tuple[int, int] | None = None, warn: Warn | None = None,
-               cache: bool = True, run_id: str | None = None, sql: str | None = None) -> duckdb.DuckDBPyConnection:
+               cache: bool = True, run_id: str | None = None, sql: str | None = None,
+               dumps_allowed: Callable[[Path], bool] | None = None) -> duckdb.DuckDBPyConnection:
     """A read-only, locked DuckDB connection holding the views of the run at ``path`` that ``sql``
     names (all of them without ``sql``), only steps ``steps`` (inclusive) when given. ``cache`` False:
     neither served from nor kept in the read cache; ``run_id``: the run chosen (``--run-id``, already
-    set by ``use_run``), part of the cache's key. Raises TraceReadError without trace files."""
+    set by ``use_run``), part of the cache's key; ``dumps_allowed``: whether the run's recorded Flight
+    Recorder folder may be read (:func:`compute_tables`). Raises TraceReadError without trace files."""
     from otel_train.analysis.reading.cache import Recall
 
     say: Callable[[str], None] = warn or warn_to_stderr
     logs = [logs_dir(path)]
-    key = {"steps": steps, "run_id": run_id, "v": VERSION}
+    key = {"steps": steps, "run_id": run_id, "v": VERSION, "dumps_checked": dumps_allowed is not None}
     wanted = groups_named(sql) if sql is not None else list(GROUPS)
     recalls = {g: Recall(f"query-{g}", logs, key, enabled=cache) for g in ("records", "model")}
     files: dict[str, Path] = {}
@@ -102,7 +117,7 @@ def open_views(path: str | Path, *, steps: tuple[int, int] | None = None, warn: 
         missing = ["records", "model"]  # the full read gives the run too: the model views cost little more
     built: dict[str, Tables] = {}
     if missing:
-        built = _compute(path, steps, say, missing, recalls, cache)
+        built = _compute(path, steps, say, missing, recalls, cache, dumps_allowed)
         for g in list(built):
             db = _kept(_db(recalls[g]), built[g], recalls[g])
             if db is not None:
@@ -112,7 +127,8 @@ def open_views(path: str | Path, *, steps: tuple[int, int] | None = None, warn: 
 
 
 def _compute(path: str | Path, steps: tuple[int, int] | None, say: Callable[[str], None], groups: list[str],
-             recalls: dict[str, Recall], cache: bool) -> dict[str, Tables]:
+             recalls: dict[str, Recall], cache: bool, dumps_allowed: Callable[[Path], bool] | None
+             ) -> dict[str, Tables]:
     """:func:`compute_tables` inside one recording; every group's recall takes that recording's
     inputs (the same read made them all)."""
     heard: list[str] = []
@@ -123,7 +139,7 @@ def _compute(path: str | Path, steps: tuple[int, int] | None, say: Callable[[str
 
     first = recalls[groups[0]]
     with first.recording():
-        out = compute_tables(path, steps, note, groups, cache)
+        out = compute_tables(path, steps, note, groups, cache, dumps_allowed)
     for g in groups:
         r = recalls[g]
         r.inputs, r.outputs, r.too_big = list(first.inputs), list(first.outputs), first.too_big
@@ -169,5 +185,5 @@ def _connect(files: dict[str, Path], built: dict[str, Tables]) -> duckdb.DuckDBP
     return con
 
 
-__all__ = ["GROUPS", "LOCKED", "VIEWS", "QueryRefused", "Result", "compute_tables", "groups_named", "open_views",
+__all__ = ["GROUPS", "LOCKED", "VIEWS", "QueryRefused", "Result", "compute_tables", "dumps_dir", "groups_named", "open_views",
            "run_sql", "schema_rows"]
