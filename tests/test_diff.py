@@ -216,6 +216,13 @@ def _rank1_fetch_plus_30(rank: int, step: int, t: dict[str, float]) -> None:
         t[DATA_FETCH] += 30.0
 
 
+
+def test_of_two_ranks_only_the_one_that_changed_is_named(tmp_path: Path) -> None:
+    """With one peer, the two ranks' times over each other mirror: rank 0's data_fetch looks 98 % faster
+    against rank 1's once rank 1's is 30 ms slower. Only the rank whose own time changed is named."""
+    out = diff_runs(noisy_run(tmp_path / "a", 21, world=2), noisy_run(tmp_path / "b", 22, _rank1_fetch_plus_30, world=2))
+    assert kinds(out) == [("regression", 1, DATA_FETCH)]
+
 def test_a_big_change_in_too_short_a_run_is_undecided_never_no_change(tmp_path: Path) -> None:
     """20 steps give 4 blocks of 5 (fewer than MIN_BLOCKS): a +30 ms change cannot be judged
     significant, and it is listed as undecided, with its blocks, in JSON and text."""

@@ -176,7 +176,7 @@ def _without_the_changed(rows: list[dict[str, Any]], judged: tuple[Keyed, Keyed]
         tested = [_tested(k, name, changed) for k in judged]
         for r in (r for r in mine if r["rank"] in changed):
             a, b = (k.get((r["rank"], name), (_NONE, _NONE))[1] for k in judged)
-            r.update(_verdict(a, b, *(t.get(r["rank"], _NONE) for t in tested), th, relative=True))
+            r.update(_verdict(a, b, *(t.get(r["rank"], _NONE) for t in tested), th, peers=len(mine) - len(changed)))
 
 
 def _finite(x: np.ndarray) -> np.ndarray:
@@ -265,12 +265,14 @@ def _p50(values: np.ndarray) -> float | None:
 
 
 def _verdict(a: np.ndarray, b: np.ndarray, ta: np.ndarray, tb: np.ndarray, th: Thresholds,
-             relative: bool = False) -> dict[str, Any]:
+             peers: int = 0) -> dict[str, Any]:
     """The judged values ``a``, ``b`` and their tested series ``ta``, ``tb`` (see the module doc):
     p_value, the medians (judged_ms) and their change (delta_ms), and whether that is a
-    ``regression`` or an ``improvement``. ``relative`` (a rank's row: ``ta``, ``tb`` are its times over
+    ``regression`` or an ``improvement``. ``peers`` > 0 (a rank's row: ``ta``, ``tb`` are its times over
     its peers'): the size gate and the direction are the tested series' change, ``peer_delta_pct``,
-    and that share of A's median, ``peer_delta_ms``; a run's own load moves the raw medians."""
+    and that share of A's median, ``peer_delta_ms``; a run's own load moves the raw medians. With one
+    peer the two ranks' ratios mirror each other (which one changed, the ratio cannot tell): the raw
+    change must then matter too, as for a phase."""
     if not a.size or not b.size:
         return {"p_value": math.nan, "delta_ms": math.nan, "judged_ms": [_p50(a), _p50(b)], "blocks": [0, 0],
                 REGRESSION: False, IMPROVEMENT: False, UNDECIDED: False}
@@ -278,15 +280,14 @@ def _verdict(a: np.ndarray, b: np.ndarray, ta: np.ndarray, tb: np.ndarray, th: T
     row = {"p_value": p, "delta_ms": float(np.median(b) - np.median(a)),
            "judged_ms": [float(np.median(a)), float(np.median(b))], "blocks": blocks}
     tested = _pct(float(np.median(ta)), float(np.median(tb))) if ta.size and tb.size else None
-    if relative:
+    # The tested series' own change must matter too, the same way.
+    agrees = tested is not None and abs(tested) >= th.min_pct and (tested > 0) == (row["delta_ms"] > 0)
+    matters, up = _big(row, th) and agrees, row["delta_ms"] > 0
+    if peers:
         size = math.nan if tested is None else tested / 100.0 * row["judged_ms"][0]
         row["peer_delta_pct"], row["peer_delta_ms"] = tested, size
-        matters = tested is not None and abs(tested) >= th.min_pct and abs(size) >= th.min_ms
-        up = size > 0
-    else:
-        # The tested series' own change must matter too, the same way.
-        agrees = tested is not None and abs(tested) >= th.min_pct and (tested > 0) == (row["delta_ms"] > 0)
-        matters, up = _big(row, th) and agrees, row["delta_ms"] > 0
+        relative = tested is not None and abs(tested) >= th.min_pct and abs(size) >= th.min_ms
+        matters, up = relative and (matters or peers > 1), size > 0
     found = p < th.max_p and matters
     # Big enough to matter, but too few independent blocks to judge: said so, never "no change".
     undecided = matters and not found and min(blocks) < MIN_BLOCKS
@@ -403,7 +404,8 @@ def _rank_rows(raw_a: Samples, raw_b: Samples, judged_a: Keyed, judged_b: Keyed,
             rows.append({"rank": rank, "phase": name, "a_p50_ms": a50, "b_p50_ms": b50, "delta_pct": _pct(a50, b50),
                          **_verdict(judged_a.get((rank, name), (_NONE, _NONE))[1],
                                     judged_b.get((rank, name), (_NONE, _NONE))[1],
-                                    *(t[name].get(rank, _NONE) for t in tested), th, relative=True)})
+                                    *(t[name].get(rank, _NONE) for t in tested), th,
+                                    peers=max(1, len(tested[0][name]) - 2))})
     return rows
 
 
@@ -414,9 +416,9 @@ def _big(row: dict[str, Any], th: Thresholds) -> bool:
 
 def _findings(phases: list[dict[str, Any]], ranks: list[dict[str, Any]], th: Thresholds) -> list[dict[str, Any]]:
     """One finding for a phase that changed on most of its ranks alike (each by enough to matter),
-    else one per rank whose own change is a finding. A collective is one operation of the group,
-    judged for all ranks together (which rank leaves it last changes from run to run). None for a
-    phase that contains others (``step``): its change is theirs."""
+    and one per rank whose own change (against its peers) is a finding. A collective is one operation
+    of the group, judged for all ranks together (which rank leaves it last changes from run to run).
+    None for a phase that contains others (``step``): its change is theirs."""
     out = []
     for ph in (ph for ph in phases if not ph["container"]):
         mine = [r for r in ranks if r["phase"] == ph["name"]]
@@ -424,7 +426,6 @@ def _findings(phases: list[dict[str, Any]], ranks: list[dict[str, Any]], th: Thr
         alike = [r for r in mine if kind and _big(r, th) and (r["delta_ms"] > 0) == (kind == REGRESSION)]
         if kind and (ph["collective"] or not mine or 2 * len(alike) > len(mine)):
             out.append(_finding(kind, ph["name"], None, ph, ph["collective"]))
-            continue
         for r in mine if not ph["collective"] else ():
             if r[REGRESSION] or r[IMPROVEMENT]:
                 out.append(_finding(REGRESSION if r[REGRESSION] else IMPROVEMENT, ph["name"], r["rank"], r,
