@@ -321,3 +321,8 @@ def test_a_statement_on_model_views_reads_no_span(tmp_path: Path, monkeypatch: p
         with pytest.raises(AssertionError, match="every span"):
             ask(tmp_path, "SELECT count(*) AS n FROM spans")
     assert ask(tmp_path, "SELECT count(*) AS n FROM spans") == [{"n": 2 * 3 * 5}]
+
+
+def test_listing_the_views_sees_every_group(straggler: Path) -> None:
+    names = {r["name"] for r in ask(straggler, "SHOW ALL TABLES")}
+    assert {"spans", "comm", "steps", "processes", "scalars", "instants", "findings", "clock"} <= names, names

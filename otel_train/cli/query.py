@@ -36,6 +36,10 @@ def query(
     if timeout <= 0:
         fail(f"--timeout {timeout:g}: expected seconds > 0", EXIT_NO_TRACES)
     window = parse_window(steps) if steps is not None else None
+    try:
+        import duckdb  # noqa: F401 - only asked whether it is there
+    except ModuleNotFoundError:
+        fail("query needs DuckDB: pip install 'otel-train[analysis]' (or duckdb)", EXIT_NO_TRACES)
     with cli_errors():
         from otel_train.analysis.query import QueryRefused, open_views, run_sql, schema_rows
 

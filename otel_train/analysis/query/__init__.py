@@ -36,13 +36,17 @@ VERSION = 2
 
 Tables = dict[str, dict[str, Any]]
 
+CATALOG_WORDS = {"information_schema", "duckdb_tables", "duckdb_columns", "duckdb_views", "show_tables", "tables",
+                 "show", "describe", "summarize"}
+"""Words of a statement that lists or describes what is there: every group is built for it."""
+
 
 def groups_named(sql: str | None) -> list[str]:
     """The view groups ``sql`` names (any word that is a view's name: more is harmless); every group
     without a statement (the schema); ``model`` (the cheap one) for a statement naming no view."""
-    if sql is None:
+    words = set(re.findall(r"[a-z_]+", sql.lower())) if sql is not None else set()
+    if sql is None or words & CATALOG_WORDS:
         return list(GROUPS)
-    words = set(re.findall(r"[a-z_]+", sql.lower()))
     return [g for g, views in GROUPS.items() if words & set(views)] or ["model"]
 
 
