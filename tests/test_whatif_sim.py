@@ -204,6 +204,11 @@ def test_typical_holds_on_production_patterns(tmp_path: Path, schedule: str, cau
         assert out["waits"] > 0
     assert out["snapped"] == truth.moved  # each op written with an overlap, snapped; none other
     assert (truth.moved > 0) == (recording.overlap > 0)
+    if cause == "worker":  # the ranks that waited for it (in recvs, or outside spans) are not charged
+        siblings = {r for r in range(truth.layout.world) if r // tp == truth.top // tp}
+        assert max(r["slowdown"] for r in out["by_rank"] if r["rank"] not in siblings) <= 1.01, out["by_rank"]
+        stage = truth.layout.coords(truth.top)[1]
+        assert max(out["by_dim"]["pp"], key=lambda r: r["slowdown"])["index"] == stage, out["by_dim"]
 
 
 # ---------------------------------------------------------------------------------------------
