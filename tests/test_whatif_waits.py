@@ -136,3 +136,18 @@ def test_the_text_says_what_was_left_out_and_how_many_waits(tmp_path: Path) -> N
     assert done.exit_code == 0, done.output
     assert f"Untraced waits on another rank's op: {STEPS}" in done.output
     assert "Left out of the replay: 1 comm ops (1 with no end time" in done.output
+
+
+def test_waits_matched_a_chunk_at_a_time_give_the_same_answer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """graph_joins.waits matches gaps WAIT_CHUNK at a time (bounded memory on a large run): the answer
+    is the same as with every gap at once, to the last bit."""
+    from pipeline_sim import Recording, write_job
+
+    from otel_train.analysis import graph_joins
+
+    write_job(tmp_path / "run", dp=2, pp=4, tp=1, steps=4, microbatches=8, schedule="1f1b", cause="worker", seed=3,
+              recording=Recording(untraced_recv=True))
+    whole = typical(tmp_path / "run")
+    monkeypatch.setattr(graph_joins, "WAIT_CHUNK", 7)
+    chunked = typical(tmp_path / "run")
+    assert whole["waits"] > 7 and chunked == whole

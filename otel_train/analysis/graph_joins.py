@@ -77,8 +77,11 @@ def _rendezvous(flat: Flat, inv: np.ndarray, m: int, valid: np.ndarray, of: np.n
 
 
 
-WAIT_CANDIDATES = 64
-"""Op ends looked at per gap (the latest ones in its window): enough for thousands of ranks' ops a ms."""
+WAIT_CANDIDATES = 16
+"""Op ends looked at per gap (the latest ones in its window; ends of one collective tie, and any of them
+will do)."""
+WAIT_CHUNK = 100_000
+"""Gaps matched at a time (at most ``WAIT_CANDIDATES`` pairs each: bounded memory on any run)."""
 
 
 @dataclass(slots=True)
@@ -97,21 +100,32 @@ def waits(flat: Flat) -> Waits:
     (or :data:`RESOLUTION_MS` before) another rank's op end in the same block is a wait on that op; the
     nearest such end is the one waited for. Candidates: pieces and comm ops (not detached ones: their end
     is when a recorder looked)."""
-    ni, no = flat.i_start.size, flat.o_start.size
     prev = flat.i_prev
     lead = np.where(prev >= 0, flat.i_start - flat.i_end[np.maximum(prev, 0)], 0.0)
     gap = np.flatnonzero((prev >= 0) & (lead > WAIT_MS))
-    empty = Waits(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0))
-    if gap.size == 0:
-        return empty
+    ends = _ends(flat) if gap.size else ()
+    parts = [_nearest(flat, gap[k:k + WAIT_CHUNK], ends) for k in range(0, gap.size, WAIT_CHUNK)]
+    if not parts:
+        return Waits(np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0))
+    return Waits(*(np.concatenate([p[k] for p in parts]) for k in range(3)))
+
+
+def _ends(flat: Flat) -> tuple[np.ndarray, ...]:
+    """(end, node, rank, block) of every op end a wait can end at, sorted by end."""
+    ni, no = flat.i_start.size, flat.o_start.size
     pieces = np.flatnonzero(flat.i_piece >= 0)
     ops = np.flatnonzero(~flat.o_detached.astype(bool))
-    c_end = np.concatenate([flat.i_end[pieces], flat.o_end[ops]])
-    c_node = np.concatenate([pieces, ni + no + ops])
-    c_rank = np.concatenate([flat.i_rank[pieces], flat.o_rank[ops]]).astype(np.int64)
-    c_block = np.concatenate([flat.i_block[pieces], flat.i_block[flat.o_item[ops]]])
-    order = np.argsort(c_end, kind="stable")
-    c_end, c_node, c_rank, c_block = c_end[order], c_node[order], c_rank[order], c_block[order]
+    end = np.concatenate([flat.i_end[pieces], flat.o_end[ops]])
+    cols = (end, np.concatenate([pieces, ni + no + ops]),
+            np.concatenate([flat.i_rank[pieces], flat.o_rank[ops]]).astype(np.int64),
+            np.concatenate([flat.i_block[pieces], flat.i_block[flat.o_item[ops]]]))
+    order = np.argsort(end, kind="stable")
+    return tuple(c[order] for c in cols)
+
+
+def _nearest(flat: Flat, gap: np.ndarray, ends: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+    """(item, node, delta) of the gaps ``gap`` that end at another rank's op end (:func:`waits`)."""
+    c_end, c_node, c_rank, c_block = ends
     at = flat.i_start[gap]
     hi = np.searchsorted(c_end, at + RESOLUTION_MS, side="right")
     lo = np.maximum(np.searchsorted(c_end, at - WAIT_MS, side="left"), hi - WAIT_CANDIDATES)
@@ -120,10 +134,8 @@ def waits(flat: Flat) -> Waits:
     c = np.repeat(hi - np.cumsum(counts), counts) + np.arange(int(counts.sum()))
     ok = (c_rank[c] != flat.i_rank[gap[g]].astype(np.int64)) & (c_block[c] == flat.i_block[gap[g]])
     g, c = g[ok], c[ok]
-    if g.size == 0:
-        return empty
     pick = np.lexsort((np.abs(at[g] - c_end[c]), g))
     first = np.ones(pick.size, bool)
     first[1:] = g[pick][1:] != g[pick][:-1]
     g, c = g[pick][first], c[pick][first]
-    return Waits(gap[g], c_node[c], at[g] - c_end[c])
+    return gap[g], c_node[c], at[g] - c_end[c]
