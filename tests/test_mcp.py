@@ -1,7 +1,7 @@
 """``otel-train mcp``: every tool through the ``mcp`` SDK's own client over stdio, against real torchrun
 runs (gloo on CPU): a clean run, a straggler, a hang asked while the job still runs, and a desync.
 
-The four jobs run side by side once per module; one server session asks everything (the hang first,
+The four jobs run two at a time once per module; one server session asks everything (the hang first,
 while its job is still stuck), and the tests judge the answers: the culprit of each fault, the
 evidence, the caps, the paths outside the roots, and the query views against ``summarize`` on the
 same runs. Assertions are on who and what, never on how fast.
@@ -46,21 +46,24 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def jobs(root: Path) -> dict[str, Any]:
-    """The four jobs, started together; the hang's job is left running (stopped at the module's end)."""
+    """The four jobs, two at a time (the clean and straggler runs judge step times: 4 ranks on the two
+    cores, most of each step off the CPU, as a step waits on a GPU); the hang's job is left running
+    (stopped at the module's end)."""
     paths = {k: root / k for k in ("clean", "straggler", "desync", "hang")}
+    timed = ("--steps", "20", "--eval-every", "0", "--checkpoint-every", "0", "--hidden", "64", "--gpu-wait-ms", "30",
+             "--cpu-wait")
     procs = {
-        "clean": launch("train_ddp.py", paths["clean"], 2, *DDP),
-        "straggler": launch("train_ddp.py", paths["straggler"], 2, "--steps", "20", "--eval-every", "0",
-                            "--checkpoint-every", "0", "--hidden", "64", "--gpu-wait-ms", "30",
-                            "--slow-rank", str(SLOW_RANK), "--slow-ms", "40", "--cpu-wait"),
-        "desync": launch("train_ddp.py", paths["desync"], 3, *DDP, "--fault", "desync-op", "--fault-rank", "2",
-                         "--fault-step", "3", "--timeout-s", "8"),
-        "hang": launch("train_ddp.py", paths["hang"], 2, *DDP, "--fault", "skip-collective", "--fault-rank", "1",
-                       "--fault-step", "4", "--timeout-s", "300"),
+        "clean": launch("train_ddp.py", paths["clean"], 2, *timed),
+        "straggler": launch("train_ddp.py", paths["straggler"], 2, *timed, "--slow-rank", str(SLOW_RANK),
+                            "--slow-ms", "40"),
     }
     try:
         for k in ("clean", "straggler"):
             assert procs[k].wait(240) == 0, (paths[k].parent / f"{k}.log").read_text()[-3000:]
+        procs["desync"] = launch("train_ddp.py", paths["desync"], 3, *DDP, "--fault", "desync-op", "--fault-rank", "2",
+                                 "--fault-step", "3", "--timeout-s", "8")
+        procs["hang"] = launch("train_ddp.py", paths["hang"], 2, *DDP, "--fault", "skip-collective", "--fault-rank",
+                               "1", "--fault-step", "4", "--timeout-s", "300")
         stop(procs["desync"], paths["desync"], wait_s=120)
         yield {"paths": paths, "procs": procs}
     finally:
