@@ -129,6 +129,7 @@ def _window(pf: ProcessFiles, attempt: int, meta: Head | None, size: int
     records, whole = read_tail(pf, size, window_bad)
     state = ProcessState.of(pf, attempt, meta=meta)
     state.feed(records)
+    state.finish()  # (keep=False: only how a torchtitan/pimm file without an end record ended)
     return state, records, whole, window_bad
 
 

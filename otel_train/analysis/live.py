@@ -56,7 +56,7 @@ from otel_train.analysis.findings import (
 from otel_train.analysis.live_time import OwnTime
 from otel_train.analysis.reading.fr_files import fingerprint
 from otel_train.analysis.records import (AnyRecord, BadLines, Head, Instant, ProcessFiles, SpanEnd, Tail, TraceReadError, Warn,
-                                         head)
+                                         head, FORMAT_OURS)
 from otel_train.analysis.spans import (STATUS_OPEN, OpenSpan, PhaseSeries, ProcessState, Run, assign_attempts,
                                        choose_run, in_run)
 from otel_train.analysis.stacks import clean_stacks
@@ -219,8 +219,7 @@ class LiveProcess:
         self.progress_ts: float | None = None  # the last span that closed ok (writer's clock; OwnTime)
         self.own = OwnTime()  # which of its records are trusted as its time (live_time.py)
         self.local = local
-        self.dead = False
-        self.silent = False
+        self.dead = self.silent = False
         self.gone_at: float | None = None  # when it ended or died (watch's clock)
         self._limits: dict[str, tuple[int, float]] = {}  # name -> (durations seen, threshold)
         self.skew = 0.0  # watch's clock minus its host's clock, when that host's is off (docs/clock.md)
@@ -608,8 +607,9 @@ class LiveRun:
             elif th.watchdog and th.heartbeat_s > 0:
                 lp.dead = quiet >= th.silence_s
             if lp.dead:
-                lp.gone_at = now
-                self._dirty = True
+                lp.gone_at, self._dirty = now, True
+                lp.dead = state.format == FORMAT_OURS or bool(state.opened)  # torchtitan/pimm: no end record,
+                state.ended_cleanly = state.ended_cleanly or not lp.dead  # so gone with no span open is ended
 
     # -- deciding ------------------------------------------------------------------------------
 

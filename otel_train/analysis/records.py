@@ -33,6 +33,7 @@ from otel_train.analysis.reading.discovery import (
 from otel_train.analysis.reading.lines import MAX_LINE_BYTES, BadLines, decode_chunk
 from otel_train.analysis.reading.tails import Tail
 from otel_train.analysis.reading.types import (
+    FORMAT_OURS,
     MAX_STEP,
     MAX_TS,
     RECORD_TYPES,
@@ -47,7 +48,7 @@ from otel_train.analysis.reading.types import (
 from otel_train.analysis.reading.whole import Reader, head, line_number, peek, read_tail
 
 __all__ = [
-    "MAX_LINE_BYTES", "MAX_STEP", "MAX_TS", "RECORD_TYPES", "AnyRecord", "BadLines", "Digest", "DigestFile",
+    "FORMAT_OURS", "MAX_LINE_BYTES", "MAX_STEP", "MAX_TS", "RECORD_TYPES", "AnyRecord", "BadLines", "Digest", "DigestFile",
     "DigestPhase", "DigestSpan", "Head", "Instant", "ProcessFiles", "Reader", "Record", "Scalar", "SpanEnd",
     "SpanStart", "Tail", "TraceReadError", "Warn", "decode_chunk", "ended_since", "find_process_files", "head",
     "line_number", "logs_dir", "open_regular", "peek", "read_digest", "read_tail", "scan_process_files",

@@ -1,30 +1,28 @@
 """The span model: records paired into spans, one :class:`ProcessState` per process attempt.
 
-This is the only place that knows how records make spans; every reader builds on it (summarize,
-stats, findings, every export format, push and ``push --follow``, live ``watch``):
+This is the only place that knows how records make spans; every reader builds on it (summarize, stats,
+findings, every export format, push and ``push --follow``, live ``watch``):
 
-* a ``span_start`` and the ``span_end`` with the same ``span_id`` make one span; its step is the
-  step of its start record;
+* a ``span_start`` and the ``span_end`` with the same ``span_id`` make one span (step: its start's);
 * an end whose start is missing (it rotated away) is a span that started ``dur_ms`` before its end;
 * a start without an end is *open* (the process died inside it, or is still inside it);
 * an end with status ``incomplete`` (ended by shutdown) is *unclosed* like an open span; a ``comm.*``
   op whose parent had already ended is neither (its caller went on: closed at that end, or dropped);
 * an end with status ``error`` is an error span;
-* a ``process_end`` instant means the process ended through ``shutdown()``;
+* a ``process_end`` instant means the process ended through ``shutdown()`` (torchtitan's files: no span open);
 * attempts come from the ``attempt`` field of a process's first records, numbered by start time
   when missing or claimed twice (:func:`assign_attempts`);
 * the step window keeps spans, instants and scalars of the wanted steps, and step-less spans that
   overlap them in time (:func:`keep_steps`).
 
-A :class:`ProcessState` is fed record batches in file order (:meth:`ProcessState.feed`): whole files
-in 1 MiB batches, or what a tail of a growing file read since the last poll; both see the same state.
-It keeps per-phase duration columns (what summaries need) and, with ``keep=True``, the spans,
-instants and scalars themselves (what export and push need). Whether kept or not, every ``comm.*``
-span (closed, open or incomplete) is kept as a compact op (:class:`CommLog`, read as
-:class:`~otel_train.analysis.comm.CommOp` by :meth:`ProcessState.comm_ops`), with the
-``comm.group`` and ``otel_train.mesh`` instants: what :mod:`otel_train.analysis.comm` matches across
-ranks (``Run.comm``). A name is checked for the ``comm.`` prefix once, when first seen (its sink), so
-a run without comm spans pays nothing for them.
+A :class:`ProcessState` is fed record batches in file order (:meth:`ProcessState.feed`): whole files in 1 MiB
+batches, or what a tail of a growing file read since the last poll; both see the same state. It keeps
+per-phase duration columns (what summaries need) and, with ``keep=True``, the spans, instants and scalars
+themselves (what export and push need). Whether kept or not, every ``comm.*`` span (closed, open or
+incomplete) is kept as a compact op (:class:`CommLog`, read as :class:`~otel_train.analysis.comm.CommOp`
+by :meth:`ProcessState.comm_ops`), with the ``comm.group`` and ``otel_train.mesh`` instants: what
+:mod:`otel_train.analysis.comm` matches across ranks (``Run.comm``). A name is checked for the ``comm.``
+prefix once, when first seen (its sink), so a run without comm spans pays nothing for them.
 """
 
 from __future__ import annotations
@@ -62,7 +60,7 @@ from otel_train.analysis.records import (
     logs_dir,
     warn_to_stderr,
 )
-from otel_train.analysis.reading import window
+from otel_train.analysis.reading import types, window
 from otel_train.analysis.reading.cache import Cache, identify
 from otel_train.phases import STEP, STEP_PHASES
 
@@ -267,7 +265,7 @@ class ProcessState:
 
     __slots__ = (
         "source", "rank", "attempt", "instance", "keep",
-        "host", "pid", "world_size", "local_rank", "run_id", "job_id",
+        "host", "pid", "world_size", "local_rank", "run_id", "job_id", "format",
         "first_ts", "last_ts", "last_event", "first_step", "final_step", "relative_step",
         "records", "malformed", "ended_cleanly", "end_signal", "last_closed", "last_heartbeat_ts", "settings",
         "phases", "parents", "errors", "incomplete", "stalls", "opened",
@@ -283,7 +281,7 @@ class ProcessState:
         self.world_size: int | None = None
         self.local_rank: int | None = None
         self.run_id: str | None = None
-        self.job_id: str | None = None
+        self.job_id: str | None = None; self.format = types.FORMAT_OURS  # noqa: E702 (whose files: Head.format)
         self.first_ts: float | None = None
         self.last_ts: float | None = None
         self.last_event: str | None = None
@@ -336,7 +334,7 @@ class ProcessState:
         """Take host, pid, world size, local rank, run and job id from a file head."""
         if meta is not None:
             self.host, self.pid, self.world_size = meta.host, meta.pid, meta.world_size
-            self.local_rank, self.run_id, self.job_id = meta.local_rank, meta.run_id, meta.job_id
+            self.local_rank, self.run_id, self.job_id, self.format = meta.local_rank, meta.run_id, meta.job_id, meta.format
 
     # -- feeding --------------------------------------------------------------------------------
 
@@ -639,6 +637,8 @@ class ProcessState:
 
     def finish(self) -> None:
         """After the last batch (``keep=True``): open spans join ``spans``, all in start order."""
+        if self.format != types.FORMAT_OURS and not self.opened:  # their files have no end record
+            self.ended_cleanly = True
         if self.keep:
             for r in self.opened.values():
                 self.spans.append(Span(r.name, r.span_id or "", r.parent_span_id, r.trace_id, r.ts, None,

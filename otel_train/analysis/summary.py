@@ -128,6 +128,7 @@ def process_row(d: ProcessState) -> dict[str, Any]:
         "rank": d.rank,
         "attempt": d.attempt,
         "source": d.source,
+        "format": d.format,  # whose files: otel-train, torchtitan or pimm (docs/integrations-frameworks.md)
         "host": d.host,
         "pid": d.pid,
         "world_size": d.world_size,

@@ -101,6 +101,13 @@ def _render(summary: dict[str, Any], out: Console) -> None:
             _s(p["relative_step"]), _s(p["last_event"]), _ts(p["last_ts"]), " > ".join(p["open_spans"]) or "-",
         )
     out.print(procs)
+    formats: dict[str, list[str]] = {}
+    for p in summary["processes"]:
+        formats.setdefault(p.get("format") or "otel-train", []).append(str(p["rank"]))
+    if set(formats) != {"otel-train"}:  # say whose files were read when some were not ours
+        out.print("Files: " + "; ".join(f"{fmt} structured logger (ranks {', '.join(r)})" if fmt != "otel-train"
+                                        else f"otel-train (ranks {', '.join(r)})" for fmt, r in formats.items()),
+                  markup=False)
 
     if summary["unclosed"]:
         unclosed = Table(title="Unclosed spans", title_justify="left")

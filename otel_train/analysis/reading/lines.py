@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from otel_train.analysis.reading import titan
 from otel_train.analysis.reading.discovery import Warn, one_line, warn_to_stderr
 from otel_train.analysis.reading.types import DECODE_ERRORS, RECORD_DECODER, AnyRecord
 
@@ -31,6 +32,14 @@ class BadLines:
         self.warn = self.warnings.append if collect else (warn or warn_to_stderr)
         self._collect = collect
         self._warned: set[Path] = set()
+        self.streams: dict[Path, titan.Stream] = {}  # torchtitan/pimm files: their pairing state, per file
+
+    def stream(self, path: Path) -> titan.Stream:
+        """The pairing state of one of torchtitan's or pimm's files, kept across its chunks (file order)."""
+        got = self.streams.get(path)
+        if got is None:
+            got = self.streams[path] = titan.Stream(path)
+        return got
 
     def absorb(self, other: BadLines) -> None:
         """Take over the count and the collected warnings of ``other``."""
@@ -75,6 +84,9 @@ def decode_chunk(
 
 
 def _decode_lines(chunk: bytes | memoryview, path: Path, first_line: Callable[[], int], bad: BadLines) -> list[AnyRecord]:
+    if titan.is_titan(chunk):  # torchtitan's or pimm's file: the second decoder, same records out
+        return titan.decode(chunk, path, bad.stream(path),
+                            lambda i, why: bad.report(path, lambda: first_line() + i, why))
     try:
         return RECORD_DECODER.decode_lines(chunk)
     except DECODE_ERRORS:

@@ -16,6 +16,8 @@ MAX_TS = 1e11
 """Largest ``ts`` accepted (the year 5138): anything later is a broken clock or a broken line."""
 MAX_ID = 2**63 - 1
 MAX_DUR_MS = 1e12
+FORMAT_OURS = "otel-train"
+"""The format of our own files (``Head.format``); :mod:`.titan` names the others."""
 
 Ts = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_TS)]
 Step = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEP)]
@@ -141,6 +143,7 @@ class Head(msgspec.Struct, gc=False):
     run_id: str | None = None
     job_id: str | None = None
     step: Step | None = None  # the first step the process recorded
+    format: str = FORMAT_OURS  # whose files: ours, or torchtitan's or pimm's structured logger (.titan)
 
 
 RECORD_DECODER = msgspec.json.Decoder(RECORD_TYPES)

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from otel_train.analysis.reading import titan
 from otel_train.analysis.reading.discovery import ProcessFiles, Warn, open_regular
 from otel_train.analysis.reading.lines import CHUNK_BYTES, MAX_LINE_BYTES, BadLines, decode_chunk
 from otel_train.analysis.reading.types import DECODE_ERRORS, RECORD_DECODER, RECORD_TYPES, AnyRecord, Head
@@ -138,6 +139,8 @@ def _quick_head(pf: ProcessFiles) -> Head | None:
             data = f.read(64 * 1024)
     except OSError:
         return None
+    if titan.is_titan(data):  # torchtitan's or pimm's file: its own fields name the process
+        return titan.head(data[:data.rfind(b"\n") + 1])
     cut = data.rfind(b"\n", 0, HEAD_QUICK_BYTES) + 1
     if cut == 0:
         return None  # no whole line within the quick bytes
