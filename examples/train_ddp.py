@@ -5,6 +5,7 @@
 
 Faults (all off by default):
     --slow-rank 2 --slow-phase data_fetch --slow-ms 200    rank 2 is 200 ms slower in that phase
+    --slow-from 20                                         ... only from step 20 on
     --hang-rank 1 --hang-step 12 --hang-phase forward      rank 1 sleeps forever in forward at step 12;
                                                           peers block in the next collective until the
                                                           --timeout-s collective timeout ends the run
@@ -79,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-rank", type=int)
     p.add_argument("--slow-phase", choices=FAULT_PHASES, default=phases.DATA_FETCH)
     p.add_argument("--slow-ms", type=float, default=200.0)
+    p.add_argument("--slow-from", type=int, default=0, help="--slow-rank is slow from this step on")
     p.add_argument("--hang-rank", type=int)
     p.add_argument("--hang-step", type=int, default=10)
     p.add_argument("--hang-phase", choices=FAULT_PHASES, default=phases.FORWARD)
@@ -135,7 +137,7 @@ class Faults:
 
     def inject(self, phase: str) -> None:
         a = self.args
-        if a.slow_rank == self.rank and a.slow_phase == phase:
+        if a.slow_rank == self.rank and a.slow_phase == phase and self.step >= a.slow_from:
             time.sleep(a.slow_ms / 1000.0)
         if a.fault == "slow-stage" and a.fault_rank == self.rank and phase == phases.FORWARD:
             time.sleep(a.slow_ms / 1000.0)

@@ -297,6 +297,11 @@ def log_trace_scalar(values: Mapping[str, int | float | bool]) -> None:
 
 def _record_error(span: trace.Span, exc: BaseException) -> None:
     """Mark ``span`` as failed by ``exc``; an exception whose ``__str__`` raises is still recorded."""
+    for listener in tuple(step_context.error_listeners):
+        try:
+            listener(exc)
+        except Exception as err:  # noqa: BLE001 - a listener failing must not change what the span says
+            _report.report_exception("error listener", err)
     message = f"{type(exc).__name__}: {safe_str(exc)}"
     try:
         span.record_exception(exc, escaped=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from otel_train.errors import ConfigError
+import otel_train.profiling.schedule as _profile
 from otel_train.redact import check_entry, strip_userinfo
 
 ENV_PREFIX = "OTEL_TRAIN_"
@@ -78,6 +79,13 @@ class Settings:
     collectives: str = "auto"
     fr_dir: str | None = None  # None: <save_path>/flight_recorder (see fr_path)
     host: str | None = None  # None: socket.gethostname() (the host records carry; docs/clock.md)
+    profile_ranks: tuple[int, ...] | str | None = None  # "all" or ranks (docs/profiling.md)
+    profile_steps: str | None = None  # normalised "A-B" or "every=N:K"
+    profile_on: tuple[str, ...] = ()
+    profile_window: int = 3
+    profile_max_windows: int = 3
+    profile_activities: tuple[str, ...] = ("cpu", "cuda")
+    memory_snapshot: str = "off"
 
     @property
     def fr_path(self) -> str:
@@ -288,6 +296,15 @@ _FIELDS: dict[str, _Field] = {
     "fr_dir": _Field(_optional(_path), "a non-empty directory path without NUL bytes"),
     "host": _Field(_optional(_text), "a non-empty host name on one line"),
     "allow_shared_dir": _Field(_bool, "true or false (env: 1/0/true/false/yes/no/on/off)"),
+    "profile_ranks": _Field(_optional(_profile.profile_ranks), "'all' or comma-separated ranks, e.g. '0,5'"),
+    "profile_steps": _Field(_optional(_profile.profile_steps),
+                            "'A-B' (inclusive, A <= B, at most 10000 steps) or 'every=N:K' (K steps every N, 1 <= K <= N)"),
+    "profile_on": _Field(_profile.profile_on, "a comma list of straggler, slow_step (or empty: none)"),
+    "profile_window": _Field(_int_at_least(1, _profile.MAX_WINDOW), "a whole number of steps from 1 to 10000"),
+    "profile_max_windows": _Field(_int_at_least(0, MAX_INT), "a whole number of windows from 0 to 2**53 (0: none)"),
+    "profile_activities": _Field(_profile.profile_activities,
+                                 "a comma list of cpu, cuda, shapes, stack, memory with cpu or cuda in it"),
+    "memory_snapshot": _Field(_profile.memory_snapshot, "one of off, on_oom (docs/profiling.md)"),
     "redact": _Field(_redact, "a comma list of more secret name parts (e.g. WANDB) and 're:<regex>' value patterns"),
 }
 
@@ -378,6 +395,11 @@ def resolve_settings(
             f"tracing is enabled but no save_path is set: pass save_path=..., set config key 'save_path' "
             f"or {ENV_VARS['save_path']}, or disable with {ENV_VARS['enabled']}=0"
         )
+    if (settings.profile_ranks is None) != (settings.profile_steps is None):
+        given, missing = ("profile_ranks", "profile_steps") if settings.profile_steps is None else (
+            "profile_steps", "profile_ranks")
+        raise ConfigError(f"{given} is set but {missing} is not: scheduled profiler windows need both "
+                          f"(set {ENV_VARS[missing]}, e.g. profile_ranks=0 profile_steps=10-12; docs/profiling.md)")
     return settings
 
 

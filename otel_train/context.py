@@ -51,6 +51,8 @@ call_site = CallSite()
 
 # Called with the new step whenever set_step changes it (telemetry samplers and the like).
 step_listeners: list[Callable[[int], None]] = []
+# Called with the exception whenever one ends a traced span (memory_snapshot=on_oom: docs/profiling.md).
+error_listeners: list[Callable[[BaseException], None]] = []
 
 
 def current() -> StepState:

@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import INVALID_SPAN_ID, INVALID_TRACE_ID, Link, SpanContext, TraceFlags
 
-from otel_train import _modes, _report, api
+from otel_train import _modes, _report, api, profiling
 from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train._version import __version__
@@ -180,6 +180,7 @@ def init(save_path: str | os.PathLike[str] | None = None, config: Mapping[str, A
         _start_watchdog(rt)
         if rt.watchdog is not None and rt.comm is not None:
             rt.watchdog.on_stall = rt.comm.on_stall
+        rt.undo.append(profiling.start(settings, rt.ctx, rt.jsonl, rt.watchdog))  # docs/profiling.md
 
 
 def _check_comm(settings: Settings) -> None:
@@ -506,8 +507,7 @@ def _finish_file(jsonl: JsonlSpanProcessor, writer: RotatingFileWriter | None, i
 
 
 def _comm_lost() -> dict[str, int]:
-    """``comm_ops_lost``: comm ops that have no span (the Flight Recorder buffer wrapped before they were
-    read), when any (docs/comm.md, "Cost")."""
+    """``comm_ops_lost``: comm ops without a span (the Flight Recorder buffer wrapped; docs/comm.md, "Cost")."""
     lost = _report.counts().get("comm.flight_recorder_lost", 0)
     return {"comm_ops_lost": lost} if lost else {}
 

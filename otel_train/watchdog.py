@@ -217,6 +217,8 @@ class Watchdog:
         self._child_ends: dict[int, int] = {}  # open span id -> the latest end (ns) of a span it parents, or 0
         # Called with the span's name after each stall record (the comm recorder dumps Flight Recorder).
         self.on_stall: Any = None
+        # Called with each look's ended spans (profile_on's check, otel_train/profiling/triggers.py).
+        self.on_look: Any = None
 
     def start(self) -> Watchdog:
         """Start the daemon thread (once)."""
@@ -254,6 +256,11 @@ class Watchdog:
         if self.digest is not None:
             self.digest.maybe(self._sink, self.sketch)  # type: ignore[arg-type]
         self._check_clock()
+        if self.on_look is not None:
+            try:
+                self.on_look(ended)
+            except Exception as exc:  # noqa: BLE001 - the stall check below still runs
+                _report.report_exception("watchdog look callback", exc)
         self._check_stalls(open_spans, ended, _clock.now_ns())
         self._check_quiet(open_spans, time.monotonic())
 

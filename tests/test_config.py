@@ -53,8 +53,17 @@ CASES: dict[str, tuple[str, Any, Any]] = {
     "collectives": ("OFF", "on", "on"),
     "fr_dir": ("/tmp/fr", "/tmp/fr", "/tmp/fr"),
     "host": ("node-7", "node-7", "node-7"),
+    "profile_ranks": ("0, 5", [5, 0], (0, 5)),
+    "profile_steps": ("every = 500:2", "10-12", "10-12"),
+    "profile_on": ("straggler,SLOW_STEP", ["straggler"], ("straggler",)),
+    "profile_window": ("5", 2, 2),
+    "profile_max_windows": ("1", 0, 0),
+    "profile_activities": ("cpu,shapes,stack", ["cuda", "memory"], ("cuda", "memory")),
+    "memory_snapshot": ("on_oom", "ON_OOM", "on_oom"),
 }
 ENABLED_ENV = {"OTEL_TRAIN_SAVE_PATH": "/tmp/base"}
+# Settings that need another to be set (docs/profiling.md: scheduled windows need ranks and steps).
+PARTNERS: dict[str, dict[str, str]] = {"profile_ranks": {"profile_steps": "1-2"}, "profile_steps": {"profile_ranks": "0"}}
 
 
 def test_every_field_has_a_case_and_an_env_var() -> None:
@@ -84,8 +93,14 @@ def test_each_setting_from_env(key: str) -> None:
         "traces_exporter": ("jsonl", "otlp"),
         "redact": ("WANDB", "re:hf_[A-Za-z0-9]{30,}"),  # the comma inside {30,} belongs to the pattern
         "collectives": "off",
+        "profile_steps": "every=500:2",
+        "profile_on": ("straggler", "slow_step"),
+        "profile_window": 5,
+        "profile_max_windows": 1,
+        "profile_activities": ("cpu", "shapes", "stack"),
     }.get(key, expected)
-    settings = resolve_settings(env={**ENABLED_ENV, ENV_VARS[key]: raw})
+    partner = {ENV_VARS[k]: v for k, v in PARTNERS.get(key, {}).items()}
+    settings = resolve_settings(env={**ENABLED_ENV, **partner, ENV_VARS[key]: raw})
     assert getattr(settings, key) == expected_env
 
 
@@ -97,8 +112,9 @@ def test_each_setting_from_config_and_from_kwargs(key: str) -> None:
         "telemetry_sources": ("process", "nvml"),
         "traces_exporter": ("console",),
     }.get(key, expected)
-    from_config = resolve_settings(env=ENABLED_ENV, config={key: value})
-    from_kwargs = resolve_settings(env=ENABLED_ENV, overrides={key: value})
+    partner = PARTNERS.get(key, {})
+    from_config = resolve_settings(env=ENABLED_ENV, config={**partner, key: value})
+    from_kwargs = resolve_settings(env=ENABLED_ENV, overrides={**partner, key: value})
     assert getattr(from_config, key) == expected
     assert getattr(from_kwargs, key) == expected
 

@@ -76,6 +76,9 @@ def export(
     ),
     no_cache: bool = typer.Option(False, "--no-cache",
                                   help="Neither use nor fill the run's read cache, nor reuse an earlier export."),
+    profiles: bool = typer.Option(False, "--profiles",
+                                  help="Merge the run's torch.profiler windows (operators, kernels) under the "
+                                       "ranks' phase spans, on the trace's clock (chrome only; docs/profiling.md)."),
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
@@ -90,6 +93,8 @@ def export(
         if fr is not None and not fr.exists():
             warn(f"warning: --fr {fr}: no such file or directory; exporting without Flight Recorder dumps")
         stream = output is not None and str(output) == STDOUT
+        if profiles and (fmt != "chrome" or stream):
+            fail("--profiles: merged into a chrome export written to a file only; drop --format/--output -", 2)
         if stream and sys.stdout.isatty():
             fail("--output -: stdout is a terminal; pipe it (| gzip > trace.json.gz) or name a file", 2)
         if output is not None and not stream:
@@ -108,12 +113,15 @@ def export(
                 if stream:
                     sys.stdout.buffer.flush()
             note_malformed(done.malformed_lines)
+            if profiles:
+                return _wrote(done) + "\n" + _merge_profiles(done.output, path), _clock_line(done, fmt)
             if done.processes == 0:
                 warn("warning: no process matched --ranks; the trace is empty")
             return _wrote(done), _clock_line(done, fmt)
 
         args = {"format": fmt, "output": output and output.resolve(), "ranks": sorted(rank_set or ()) or None,
-                "steps": step_range, "fr": fr and fr.resolve(), "align": not no_align, "run_id": run_id}
+                "steps": step_range, "fr": fr and fr.resolve(), "align": not no_align, "run_id": run_id,
+                "profiles": profiles}
         # A stream is never remembered (its bytes are gone once written); its lines go to stderr.
         wrote, clock_line = compute() if stream else remembered("export", [path], args, compute, enabled=not no_cache)
         for line in (wrote, clock_line):
@@ -127,6 +135,18 @@ def _wrote(result: ExportResult) -> str:
             f"{result.instants} instants, {result.counters} counter samples"
             + (f", {result.flows} comm flows" if result.flows else "")
             + (f", {result.dump_ops} ops from Flight Recorder dumps" if result.dump_ops else ""))
+
+
+def _merge_profiles(output: Path, path: Path) -> str:
+    from otel_train.analysis.export.profiles import merge
+
+    merged = merge(output, path)
+    for problem in merged.problems:
+        warn(f"warning: --profiles: {problem}; merged the others")
+    windows = ", ".join(f"{w['process']} steps {w['steps'][0]}-{w['steps'][1]} ({w['reason']})"
+                        for w in merged.windows)
+    return f"profiles: {len(merged.windows)} windows merged, {merged.events} profiler events" + (
+        f": {windows}" if windows else "")
 
 
 def _clock_line(result: ExportResult, fmt: str) -> str | None:
