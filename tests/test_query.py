@@ -326,3 +326,18 @@ def test_a_statement_on_model_views_reads_no_span(tmp_path: Path, monkeypatch: p
 def test_listing_the_views_sees_every_group(straggler: Path) -> None:
     names = {r["name"] for r in ask(straggler, "SHOW ALL TABLES")}
     assert {"spans", "comm", "steps", "processes", "scalars", "instants", "findings", "clock"} <= names, names
+
+
+def test_a_damaged_views_database_in_the_cache_is_built_again(straggler: Path) -> None:
+    from otel_train.analysis.reading.cache import cache_dir_of
+
+    sql = "SELECT count(*) AS n FROM processes"
+    assert ask(straggler, sql) == [{"n": 4}]
+    folder = cache_dir_of(straggler / "structured_logs")
+    dbs = list(folder.glob("*.duckdb"))  # type: ignore[union-attr]
+    assert dbs
+    for db in dbs:
+        db.write_bytes(db.read_bytes()[:4096] + b"garbage")
+    assert ask(straggler, sql) == [{"n": 4}]
+    out = cli("query", str(straggler), "SELECT count(*) FROM spans", "-f", "csv")
+    assert out.exit_code == 0 and out.stdout.splitlines()[1] == "288", out.output

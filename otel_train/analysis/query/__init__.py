@@ -127,7 +127,22 @@ def open_views(path: str | Path, *, steps: tuple[int, int] | None = None, warn: 
             if db is not None:
                 files[g] = db
                 del built[g]
-    return _connect(files, built)
+    try:
+        return _connect(files, built)
+    except _Broken as exc:  # a kept database that cannot be attached (truncated, damaged): a miss, once
+        exc.path.unlink(missing_ok=True)
+        if not exc.path.name.endswith(".duckdb") or missing:
+            raise QueryRefused(f"the read cache's views database {exc.path} cannot be read: run again") from None
+        return open_views(path, steps=steps, warn=warn, cache=cache, run_id=run_id, sql=sql,
+                          dumps_allowed=dumps_allowed)
+
+
+class _Broken(Exception):
+    """A kept views database DuckDB cannot attach."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.path = path
 
 
 def _compute(path: str | Path, steps: tuple[int, int] | None, say: Callable[[str], None], groups: list[str],
@@ -181,7 +196,12 @@ def _connect(files: dict[str, Path], built: dict[str, Tables]) -> duckdb.DuckDBP
     con = duckdb.connect()
     for g, db in files.items():
         quoted = str(db).replace("'", "''")
-        con.execute(f"ATTACH '{quoted}' AS {g} (READ_ONLY)")
+        try:
+            con.execute(f"ATTACH '{quoted}' AS {g} (READ_ONLY)")
+            con.execute(f"SELECT count(*) FROM duckdb_tables() WHERE database_name = '{g}'").fetchall()
+        except duckdb.Error:
+            con.close()
+            raise _Broken(db) from None
     for tables in built.values():
         build(con, tables)
     con.execute(f"SET search_path = '{','.join(['main', *files])}'")

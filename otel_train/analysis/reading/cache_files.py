@@ -44,8 +44,8 @@ def max_bytes() -> int:
     return int(mb * 2**20)
 
 
-ENTRY_SUFFIXES = (".state", ".result")
-"""The cache's entries: a process's read state, a command's result."""
+ENTRY_SUFFIXES = (".state", ".result", ".duckdb")
+"""The cache's entries: a process's read state, a command's result, a query group's views (docs/query.md)."""
 Ident = tuple[int, int, int, int, int, int, int]  # dev, ino, size, mtime_ns, ctime_ns, head crc, tail crc
 
 
