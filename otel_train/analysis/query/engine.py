@@ -10,7 +10,6 @@ statement at the time cap. Anything refused raises :class:`QueryRefused` with on
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
