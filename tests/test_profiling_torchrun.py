@@ -101,3 +101,16 @@ def test_export_profiles_puts_the_operators_under_rank_2s_forward(job: tuple[Pat
         assert op["tid"] // 100_000 == pid and op["cat"].startswith("profiler.")
     names = {e["args"]["name"] for e in events if e.get("name") == "thread_name" and e["pid"] == pid}
     assert any(n.startswith("profiler: ") for n in names)
+
+
+def test_summarize_lists_the_windows(job: tuple[Path, Any]) -> None:
+    save, _ = job
+    done = subprocess.run([sys.executable, "-m", "otel_train.cli", "summarize", str(save), "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = [(w["rank"], w["reason"]) for w in json.loads(done.stdout)["profiles"]]
+    assert rows == [(0, "scheduled"), (2, "straggler"), (3, "scheduled")]
+    text = subprocess.run([sys.executable, "-m", "otel_train.cli", "summarize", str(save)],
+                          capture_output=True, text=True, timeout=120).stdout
+    assert "rank 0 profiled at steps 10\u201312: scheduled" in text
+    assert re.search(r"rank 2 profiled at steps 2[0-3]\u20132[2-5]: straggler", text)

@@ -14,6 +14,7 @@ from otel_train import schema
 from otel_train.analysis.comm import CommOp, Group
 from otel_train.analysis.findings import findings
 from otel_train.analysis.goodput import goodput
+from otel_train.analysis.profile_windows import with_profiles
 from otel_train.analysis.records import Warn, logs_dir, warn_to_stderr
 from otel_train.analysis.reading.cache import uses
 from otel_train.analysis.spans import NO_STEP, ProcessState, Run, load_run
@@ -30,7 +31,7 @@ def summarize(path: str | Path, *, fr: str | Path | None = None, **load_kwargs: 
     (default: :func:`default_fr`) merged; raises TraceReadError without trace files."""
     run = load_run(path, **load_kwargs)
     with_dumps(run, fr if fr is not None else default_fr(path, run), load_kwargs.get("warn"))
-    return summarize_run(run)
+    return with_profiles(summarize_run(run), path)
 
 
 def default_fr(path: str | Path, run: Run | None = None) -> Path:

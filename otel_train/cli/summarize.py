@@ -51,11 +51,13 @@ def summarize(
             summary = summarize_fast(path, warn=warn, fr=fr, align=not no_align)
         else:
             def compute() -> dict[str, Any]:
+                from otel_train.analysis.profile_windows import with_profiles
                 from otel_train.analysis.summary import default_fr, summarize_run, with_dumps
 
                 run = load(path, steps=steps, cache=not no_cache)
                 run.align = not no_align
-                return summarize_run(with_dumps(run, fr if fr is not None else default_fr(path, run), warn))
+                summary = summarize_run(with_dumps(run, fr if fr is not None else default_fr(path, run), warn))
+                return with_profiles(summary, path)
 
             summary = remembered("summarize", [path], {"fr": fr and fr.resolve(), "align": not no_align, "steps": steps,
                                                        "run_id": run_id}, compute, enabled=not no_cache)
@@ -91,6 +93,11 @@ def _render(summary: dict[str, Any], out: Console) -> None:
                 out.print(f"rank {f['rank']} stalled in {describe_stack(f['stacks'][0])}", markup=False)
     else:
         out.print("Findings: none")
+    if summary.get("profiles"):
+        from otel_train.analysis.profile_windows import line
+
+        for window in summary["profiles"]:
+            out.print(line(window), markup=False)
 
     procs = Table(title="Processes", title_justify="left")
     for col in ("rank", "att", "host", "pid", "step", "rel", "last event", "last (UTC)", "open spans"):
