@@ -148,6 +148,25 @@ class RecordEncoder:
             return _BODY_WITH_PARENT % (trace_part, ctx.span_id, parent.span_id, step, self._static, tid)
         return _BODY % (trace_part, ctx.span_id, step, self._static, tid)
 
+    def op_body(self, trace_id: int, span_id: int, parent_id: int | None, state: StepState, tid: int) -> str:
+        """:meth:`span_body` of a span known only by its ids (an op's arrival, written before its span exists)."""
+        last_id, trace_part = self._hex
+        if last_id != trace_id:
+            trace_part = ',"%s":"%032x"' % (S.TRACE_ID, trace_id)
+            self._hex = (trace_id, trace_part)
+        step = state.sink_cache
+        if step is None:
+            step = _step_fragment(state)
+        if parent_id is not None:
+            return _BODY_WITH_PARENT % (trace_part, span_id, parent_id, step, self._static, tid)
+        return _BODY % (trace_part, span_id, step, self._static, tid)
+
+    def op_start(self, name: str, body: str, seq: int, start_ns: int, attrs: Mapping[str, Any]) -> bytes:
+        """The ``span_start`` line of such a span (no caller), started at ``start_ns`` on the records' clock."""
+        head = self._start_heads.get(name) or self._span_head(self._start_heads, S.SPAN_START, S.START_SUFFIX, name)
+        return (_START_LINE % (start_ns // 1_000_000_000, start_ns // 1000 % 1_000_000, head, body, seq, "",
+                               _frag(S.ATTRS, attrs))).encode()
+
     def _attrs(self, attributes: Mapping[str, Any], state: StepState | None = None) -> str:
         # Only the runtime's own copies are left out (a key of step_context_attrs holding the value the
         # copy would): every attribute the user gave, training.* ones included, is written.

@@ -99,7 +99,7 @@ class JsonlSpanProcessor(SpanProcessor):
         self._stall_dropped_since = 0  # stall_dropped at the last stall notice
         self._deadline = 0.0  # monotonic; shutdown's bound on every wait for the lock (0.0: none)
         self._unwritten: set[int] = set()  # spans whose start was dropped: their end is dropped too
-        self._arrived: dict[int, OpenEntry] = {}  # starts written by arrival(), their spans not begun yet
+        self._arrived: dict[int, tuple] = {}  # starts written by arrival(), their spans not begun yet
         if writer is not None and hasattr(writer, "on_loss"):
             writer.on_loss = self._on_loss
         if writer is not None and hasattr(writer, "on_notice"):
@@ -181,10 +181,8 @@ class JsonlSpanProcessor(SpanProcessor):
         op's arrival, written by the thread that issues it: otel_train/comm/herald.py). When that span
         starts, :meth:`on_start` only records it as open; one never begun is ended ``incomplete`` at shutdown."""
         try:
-            span = LeanSpan(name, SpanContext(trace_id, span_id, False, _SAMPLED), parent, attrs, None)
-            span._start_time = start_ns
             state = current_state()
-            body = self._encoder.span_body(span, state, tid)
+            body = self._encoder.op_body(trace_id, span_id, parent.span_id if parent is not None else None, state, tid)
             lock = self._lock
             if not lock.acquire(False) and not self._wait_lock("an op's start"):
                 return  # its span, begun later, is written whole then
@@ -192,9 +190,9 @@ class JsonlSpanProcessor(SpanProcessor):
                 if self._sealed:
                     return
                 seq = self._seq + 1
-                line = self._encoder.span_start(span, body, seq, "")
+                line = self._encoder.op_start(name, body, seq, start_ns, attrs)
                 self._seq = seq
-                self._arrived[span_id] = (span, body, state, tid)
+                self._arrived[span_id] = (name, attrs, start_ns, parent, trace_id, body, state, tid)
                 self._write(line)
             finally:
                 lock.release()
@@ -208,7 +206,7 @@ class JsonlSpanProcessor(SpanProcessor):
             return False
         if type(span) is not LeanSpan and not getattr(span, "_runtime_clock", False):
             span._start_time = from_wall(span._start_time)  # as span_start would have: on the records' clock
-        self._open[span._context.span_id] = (span, *entry[1:])
+        self._open[span._context.span_id] = (span, *entry[5:])
         return True
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -376,7 +374,11 @@ class JsonlSpanProcessor(SpanProcessor):
             return 0
         with _Held(self._lock):
             self._sealed = True
-            self._open.update(self._arrived)  # ops whose span never began: ended here like any open span
+            for span_id, (name, attrs, start_ns, parent, trace_id, *rest) in self._arrived.items():
+                # an op whose span never began: ended here like any open span
+                span = LeanSpan(name, SpanContext(trace_id, span_id, False, _SAMPLED), parent, attrs, None)
+                span._start_time = start_ns
+                self._open[span_id] = (span, *rest)
             self._arrived.clear()
             entries = list(reversed(self._open.items()))
             for span_id, (span, *_) in entries:
