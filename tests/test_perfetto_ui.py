@@ -207,3 +207,34 @@ def test_perfetto_ui_pictures_a_real_job_with_its_collectives(ui_server, browser
         shot = Path(os.environ.get("OTEL_TRAIN_IMAGES") or tmp_path) / "perfetto-demo.png"
         page.screenshot(path=str(shot))
         assert shot.stat().st_size > 10_000
+
+
+def test_perfetto_ui_shows_profiler_ops_under_their_forward(ui_server, browser, tmp_path: Path) -> None:
+    """``export --profiles`` of a real job (2 ranks, a scheduled window on rank 1 at steps 3-4;
+    docs/profiling.md): in the UI, each of the window's ``aten::linear`` ops lies inside a ``forward``
+    slice of the same process, on a ``profiler: …`` thread."""
+    import os
+    import subprocess
+    import sys
+
+    from otel_train.analysis.export.profiles import merge
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | {
+        "OMP_NUM_THREADS": "1", "OTEL_TRAIN_PROFILE_RANKS": "1", "OTEL_TRAIN_PROFILE_STEPS": "3-4"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
+                    "--save-path", str(tmp_path / "run"), "--steps", "6", "--eval-every", "0", "--checkpoint-every",
+                    "0", "--hidden", "64", "--batch-size", "16"], check=True, capture_output=True, timeout=240, env=env)
+    trace = export(tmp_path / "run", "chrome", tmp_path / "trace.json").output
+    merged = merge(trace, tmp_path / "run")
+    assert len(merged.windows) == 1 and merged.problems == [] and validate_chrome_trace(trace) == []
+    under = ("select count(*) as n_under from slice op join thread_track ot on op.track_id = ot.id "
+             "join thread t on ot.utid = t.utid join slice f on f.name = 'forward' and op.ts >= f.ts "
+             "and op.ts + op.dur <= f.ts + f.dur join thread_track ft on f.track_id = ft.id "
+             "join thread t2 on ft.utid = t2.utid where op.name = 'aten::linear' and t.upid = t2.upid "
+             "and t.name like 'profiler: %'")
+    with opened(browser, ui_server, trace) as page:
+        assert sql(page, "select count(*) as n_lin from slice where name = 'aten::linear'", "n_lin") == 6
+        assert sql(page, under, "n_under") == 6  # 3 Linear layers x 2 steps, each under its forward
+        bad = "select count(*) as n_bad from stats where severity in ('error', 'data_loss') and value > 0"
+        assert sql(page, bad, "n_bad") == 0
