@@ -246,3 +246,23 @@ def test_the_merge_puts_kineto_events_on_the_trace_clock_and_refuses_paths_outsi
     assert merged.windows[0]["align_error_us"] == pytest.approx(2.0)
     assert merge_mod.merge(out, run).events == 0  # merging twice adds nothing
     assert len([e for e in json.loads(out.read_text())["traceEvents"] if e["name"] == "aten::linear"]) == 1
+
+
+def test_a_straggler_finding_from_watch_asks_that_rank_through_a_file(tmp_path: Path, monkeypatch, capsys) -> None:
+    import io
+
+    from otel_train.profiling import request
+
+    finding = {"kind": "straggler", "rank": 2, "step": 30, "phase": "forward", "message": "..."}
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(finding)))
+    assert request.main([str(tmp_path)]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({**finding, "kind": "hang", "rank": 1})))
+    assert request.main([str(tmp_path)]) == 0  # only stragglers ask
+    assert sorted(p.name for p in (tmp_path / "profiles" / "requests").iterdir()) == ["rank_2"]
+    peer, _, _ = windows(tmp_path, rank=1)
+    culprit, _, _ = windows(tmp_path, rank=2)
+    triggers.Triggers(("straggler",), peer).look([], now_ns=10**10)
+    check = triggers.Triggers(("straggler",), culprit)
+    check.look([], now_ns=10**10)
+    assert (peer.pending, culprit.pending) == (None, "straggler") and check.fired == [("straggler", 0.0)]
+    assert not (tmp_path / "profiles" / "requests" / "rank_2").exists()  # taken once

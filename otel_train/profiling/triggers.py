@@ -16,6 +16,9 @@ the median by ``MIN_EXTRA_MS``, after ``WARMUP`` judged steps. Firing asks :clas
 window (reason ``straggler`` or ``slow_step``) and forgets the history: steps during the window are not
 judged, and the ``WARMUP`` steps after it are the cooldown that learns the new normal, so a rank that
 stays slow is profiled once, not again and again.
+
+Once a second the look also takes this rank's request file, if ``watch`` (or anyone) wrote one
+(:mod:`otel_train.profiling.request`): a window asked for from outside, under the same bounds.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from statistics import median
 from typing import Any, Iterable
 
 from otel_train import _clock
+from otel_train.profiling.request import take_request
 from otel_train.profiling.window import Windows
 
 STEP_NAME = "step"
@@ -37,6 +41,8 @@ LAG_NS = 300_000_000
 LOOK_S = 0.1
 """The watchdog's tick while ``profile_on`` is set (it is at most 1 s otherwise)."""
 MAX_KEPT = 4096
+POLL_NS = 1_000_000_000
+"""How often the request file ``watch`` may write (otel_train/profiling/request.py) is looked for."""
 
 
 class Triggers:
@@ -49,6 +55,7 @@ class Triggers:
         self._steps: deque[tuple[int, int]] = deque(maxlen=MAX_KEPT)  # (start ns, end ns), not yet judged
         self._comm: deque[tuple[int, int]] = deque(maxlen=MAX_KEPT)
         self._history: dict[str, deque[float]] = {kind: deque(maxlen=HISTORY) for kind in kinds}
+        self._polled_ns = 0
 
     def look(self, ended: Iterable[Any], now_ns: int | None = None) -> None:
         for span in ended:
@@ -58,6 +65,11 @@ class Triggers:
             elif name.startswith(COMM_PREFIX):
                 self._comm.append((span._start_time, span._end_time))
         now = _clock.now_ns() if now_ns is None else now_ns
+        if now - self._polled_ns >= POLL_NS:
+            self._polled_ns = now
+            reason = take_request(self.windows.run_dir, self.windows.rank)
+            if reason is not None and self.windows.request(reason):
+                self.fired.append((reason, 0.0))
         while self._steps and now - self._steps[0][1] >= LAG_NS:
             self._judge(*self._steps.popleft())
         horizon = self._steps[0][0] if self._steps else now - LAG_NS
