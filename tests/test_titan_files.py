@@ -251,6 +251,8 @@ def test_their_own_logger_writes_files_we_read(tmp_path: Path, monkeypatch: pyte
             with sl.log_trace_span("fwd_bwd"):
                 pass
             sl.log_trace_scalar({"loss": 1.5})
+            with pytest.raises(RuntimeError), sl.log_trace_span("optim"):
+                raise RuntimeError("boom")
     finally:
         for h in logger.handlers:
             if h not in before:
@@ -258,4 +260,6 @@ def test_their_own_logger_writes_files_we_read(tmp_path: Path, monkeypatch: pyte
                 logger.removeHandler(h)
     s = _summary(tmp_path)
     assert s["processes"][0]["format"] == "torchtitan"
-    assert {p["name"]: p["count"] for p in s["phases"]} == {"step": 1, "fwd_bwd": 1}
+    assert {p["name"]: p["count"] for p in s["phases"]} == {"step": 1, "fwd_bwd": 1, "optim": 1}
+    optim = next(x for x in _spans(tmp_path) if x.name == "optim")
+    assert (optim.status, optim.error) == ("error", {"type": "RuntimeError", "message": "boom"})

@@ -53,6 +53,9 @@ FORMAT_PIMM = "pimm"
 METRIC = "metric_value"
 EVENT = "event"
 _START, _END, _ERROR = "_start", "_end", "_error"
+_S, _E, _X, _OTHER = 0, 1, 2, 3
+_SEQ_LIMIT = 1 << 48
+_MISSING: Any = object()
 CALLER = "code.caller"
 TASK = "task_name"
 
@@ -106,15 +109,74 @@ class Stream:
     and the ids: a span's is its ``seq_id`` + 1 mixed with the file's name (16 hex digits, unique in
     the file), its trace's is one per (file, step) (32 hex digits), as OTLP wants them."""
 
-    __slots__ = ("stacks", "errors", "count", "salt", "name", "traces")
+    __slots__ = ("stacks", "errors", "count", "salt", "name", "traces", "kinds", "attrs")
 
     def __init__(self, path: Path | None = None) -> None:
         self.stacks: dict[str | None, list[tuple[str, str]]] = {}
         self.errors: dict[tuple[str | None, str], dict[str, Any]] = {}
-        self.count = 1 << 48  # ids for records without a seq_id: above any seq_id a file reaches
+        self.count = _SEQ_LIMIT  # ids for records without a seq_id: above any seq_id a file reaches
         self.name = path.name if path is not None else ""
-        self.salt = int.from_bytes(hashlib.sha256(self.name.encode()).digest()[:8], "big") | (1 << 63)
+        # bit 62 set, 63 clear: salt ^ n (n < 2**48) is 16 hex digits as hex() writes it (format() is 3x slower)
+        self.salt = int.from_bytes(hashlib.sha256(self.name.encode()).digest()[:8], "big") >> 2 | (1 << 62)
         self.traces: dict[int | None, str] = {}
+        self.kinds: dict[str, tuple[int, str]] = {}  # log_type_name -> (start/end/error/other, name)
+        self.attrs: dict[str | None, dict[str, Any] | None] = {}  # one per caller (task-less starts)
+
+    def convert(self, lines: list[TitanLine]) -> list[AnyRecord]:
+        """Their records, in file order, as ours (the hot loop: a start and a plain end inline, built
+        positionally; names, attrs and trace ids are looked up, not made, after their first time)."""
+        out: list[AnyRecord] = []
+        append = out.append
+        stacks, kinds, attrs_of, errors = self.stacks, self.kinds, self.attrs, self.errors
+        salt, ok, start, end = self.salt, schema.STATUS_OK, SpanStart, SpanEnd
+        last_step: Any = self  # no step equals it: the first record looks its trace id up
+        tr = ""
+        for r in lines:
+            kind = r.log_type_name
+            parsed = kinds.get(kind) or self._kind(kind)
+            code = parsed[0]
+            if code > _E or r.log_type != EVENT:
+                if code == _X and r.log_type == EVENT:
+                    errors[(r.task_name, parsed[1])] = _error(kind, r.message)
+                else:
+                    append(self._instant(r, kind))
+                continue
+            task, step = r.task_name, r.step
+            stack = stacks.get(task)
+            if stack is None:
+                stack = stacks[task] = []
+            if step != last_step:
+                last_step, tr = step, self._trace(step)
+            if code == _S:
+                seq = r.seq_id
+                sid = hex(salt ^ (seq + 1))[2:] if seq is not None and seq < _SEQ_LIMIT else self._id(r)
+                attrs = attrs_of.get(r.caller, _MISSING) if task is None else _MISSING
+                if attrs is _MISSING:
+                    attrs = self._attrs(r)
+                append(start(1, r.time_us / 1e6, parsed[1], sid, stack[-1][1] if stack else None, tr, step,
+                             r.relative_step, None, None, r.step_tags, r.tid, attrs))
+                stack.append((parsed[1], sid))
+            elif stack and stack[-1][0] == parsed[1] and not errors:
+                append(end(1, r.time_us / 1e6, parsed[1], stack.pop()[1], None, tr, step, r.relative_step,
+                           None, None, r.step_tags, r.tid, None, r.value, ok))
+            else:
+                append(self._end(r, parsed[1], stack))
+        return out
+
+    def _attrs(self, r: TitanLine) -> dict[str, Any] | None:
+        """A start's attrs: one dict per caller (shared: nothing changes a record's attrs), and per task."""
+        if r.task_name is not None:
+            return {CALLER: r.caller, TASK: r.task_name}
+        got = self.attrs[r.caller] = None if r.caller is None else {CALLER: r.caller}
+        return got
+
+    def _kind(self, kind: str) -> tuple[int, str]:
+        for code, suffix in ((_S, _START), (_E, _END), (_X, _ERROR)):
+            if kind.endswith(suffix) and len(kind) > len(suffix):
+                got = self.kinds[kind] = (code, kind[:-len(suffix)])
+                return got
+        got = self.kinds[kind] = (_OTHER, kind)
+        return got
 
     def _trace(self, step: int | None) -> str:
         got = self.traces.get(step)
@@ -123,41 +185,11 @@ class Stream:
             got = self.traces[step] = digest[:16].hex()
         return got
 
-    def convert(self, lines: list[TitanLine]) -> list[AnyRecord]:
-        """Their records, in file order, as ours."""
-        out: list[AnyRecord] = []
-        append = out.append
-        stacks = self.stacks
-        for r in lines:
-            kind = r.log_type_name
-            if r.log_type != EVENT:
-                append(self._instant(r, kind))
-                continue
-            task = r.task_name
-            stack = stacks.get(task)
-            if stack is None:
-                stack = stacks[task] = []
-            if kind.endswith(_START):
-                name = kind[:-6]
-                sid = self._id(r)
-                parent = stack[-1][1] if stack else None
-                stack.append((name, sid))
-                append(SpanStart(v=1, ts=r.time_us / 1e6, name=name, span_id=sid, parent_span_id=parent,
-                                 trace_id=self._trace(r.step), step=r.step, relative_step=r.relative_step, tags=r.step_tags, tid=r.tid,
-                                 attrs=_attrs(r)))
-            elif kind.endswith(_END):
-                append(self._end(r, kind[:-4], stack))
-            elif kind.endswith(_ERROR):
-                self.errors[(task, kind[:-6])] = _error(kind, r.message)
-            else:
-                append(self._instant(r, kind))
-        return out
-
     def _id(self, r: TitanLine) -> str:
-        if r.seq_id is not None and r.seq_id < 1 << 48:
-            return format(self.salt ^ (r.seq_id + 1), "016x")
+        if r.seq_id is not None and r.seq_id < _SEQ_LIMIT:
+            return hex(self.salt ^ (r.seq_id + 1))[2:]
         self.count += 1
-        return format(self.salt ^ self.count, "016x")
+        return hex(self.salt ^ self.count)[2:]
 
     def _end(self, r: TitanLine, name: str, stack: list[tuple[str, str]]) -> SpanEnd:
         sid = parent = None
@@ -180,13 +212,13 @@ class Stream:
     def _instant(self, r: TitanLine, kind: str) -> Instant | Scalar:
         ts = r.time_us / 1e6
         if kind == METRIC and r.event_name is not None and r.value is not None:
-            return Scalar(v=1, ts=ts, step=r.step, relative_step=r.relative_step, tags=r.step_tags, tid=r.tid,
-                          values={r.event_name: r.value})
+            return Scalar(1, ts, "", None, None, None, r.step, r.relative_step, None, None, r.step_tags, r.tid, None,
+                          {r.event_name: r.value})
         return Instant(v=1, ts=ts, name=kind, step=r.step, relative_step=r.relative_step, tags=r.step_tags,
-                       tid=r.tid, attrs=_attrs(r))
+                       tid=r.tid, attrs=_instant_attrs(r))
 
 
-def _attrs(r: TitanLine) -> dict[str, Any] | None:
+def _instant_attrs(r: TitanLine) -> dict[str, Any] | None:
     if r.task_name is None:
         return None if r.caller is None else {CALLER: r.caller}
     return {CALLER: r.caller, TASK: r.task_name}
