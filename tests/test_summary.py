@@ -13,6 +13,7 @@ from analysis_fixtures import Proc, write_run
 from sync_sim import base, simulate
 
 from otel_train import schema
+from otel_train.analysis import findings as findings_module
 from otel_train.analysis.findings import straggler_findings
 from otel_train.analysis.spans import load_run
 from otel_train.analysis.summary import summarize
@@ -236,6 +237,26 @@ def test_straggler_excess_must_be_five_percent_of_the_phase(tmp_path: Path) -> N
 
     found = straggler_findings(_synced_run(tmp_path, times))
     assert [(f["rank"], f["phase"]) for f in found] == [(0, DATA_FETCH)]
+
+
+@pytest.mark.parametrize(("phase", "on", "extra_ms", "named"), [
+    (DATA_FETCH, 5.0, 0.4, False),  # consistent, but below 0.5 ms
+    (FORWARD, 40.0, 1.5, False),  # over 0.5 ms, but 3.7 % of the phase
+    (FORWARD, 40.0, 2.5, True),  # 6.2 %
+])
+def test_the_size_floor_decides_on_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str, on: float,
+                                           extra_ms: float, named: bool) -> None:
+    """The floor (0.5 ms and 5 % of the phase) drops a small excess by itself: the cost judge, which drops
+    most such findings too (their cost is under 1 % of the step), is set aside so that the floor is tested."""
+    monkeypatch.setattr(findings_module, "_absorbed", lambda f, cost: False)
+
+    def times(rank: int, step: int) -> dict[str, float]:
+        t = base(rank, step)
+        t[phase] = on + (step % 5) * 0.1 + 0.01 * rank + (extra_ms if rank == 1 else 0.0)
+        return t
+
+    found = straggler_findings(_synced_run(tmp_path, times))
+    assert [(f["rank"], f["phase"]) for f in found] == ([(1, phase)] if named else []), found
 
 
 def test_few_slow_steps_after_a_restart_are_not_a_straggler(tmp_path: Path) -> None:
