@@ -38,7 +38,9 @@ from otel_train.analysis.spans import load_run
 from otel_train.cli import app
 
 CLI = typer.main.get_command(app)  # built once: Typer rebuilds it on every invoke otherwise (~50 ms)
-COMMANDS = sorted(CLI.commands)
+# Every command that reads a run from its arguments; ``mcp`` serves its tools on stdio instead (those
+# tools call the same readers, and tests/test_mcp.py gives them hostile paths and SQL).
+COMMANDS = sorted(name for name in CLI.commands if name != "mcp")
 CASE_TIMEOUT_S = 20.0
 NOW = 1_790_000_000.0
 
@@ -225,7 +227,10 @@ def _args(command: str, root: Path, as_json: bool, endpoint: str) -> list[str]:
     args = [command]
     for param in params:
         if param.param_type_name == "argument":
-            args.append(str(root))  # PATH, or PATH_A and PATH_B (diff: the run against itself)
+            if command == "query" and param.name != "path":
+                args.append("SELECT name, count(*), max(dur_ms) FROM spans GROUP BY name")  # its SQL
+            else:
+                args.append(str(root))  # PATH, or PATH_A and PATH_B (diff: the run against itself)
     options = {opt for param in params for opt in getattr(param, "opts", ())}
     if as_json and "--json" in options:
         args.append("--json")
