@@ -67,13 +67,14 @@ demo-clean: install
 	@echo "Perfetto trace:  $(DEMO)/clean/analysis/structured_trace.json"
 	@echo "Open it at https://ui.perfetto.dev (Open trace file), or offline: $(BIN)/vizviewer $(DEMO)/clean/analysis/structured_trace.json"
 
-# The README's picture: the demo's straggler run in the real Perfetto UI (tests/test_perfetto_ui.py).
+# The README's pictures: the demo's straggler run, and a job's profiler window merged by export --profiles,
+# in the real Perfetto UI (tests/test_perfetto_ui.py).
 images: install chromium
 	test -d $(DEMO)/straggler/structured_logs || $(BIN)/python examples/demo.py --out $(DEMO) --only straggler
 	$(BIN)/otel-train export $(DEMO)/straggler --steps 20-21 --output $(DEMO)/straggler/analysis/steps-20-21.json
 	mkdir -p docs/images
 	OTEL_TRAIN_IMAGES=docs/images OTEL_TRAIN_DEMO_TRACE=$(DEMO)/straggler/analysis/steps-20-21.json \
-	  $(BIN)/python -m pytest -q tests/test_perfetto_ui.py -k pictures
+	  $(BIN)/python -m pytest -q tests/test_perfetto_ui.py -k "pictures or profiler"
 
 # Two workers (pytest-xdist), one test file each at a time: a third of the suite is real multi-rank
 # jobs that wait on one another, so two files overlap on the two cores (docs/benchmarks.md, "The suite").

@@ -209,6 +209,18 @@ def test_perfetto_ui_pictures_a_real_job_with_its_collectives(ui_server, browser
         assert shot.stat().st_size > 10_000
 
 
+def _window_only(trace: Path, out: Path) -> Path:
+    """``trace`` cut to the profiler window's time: the events that start in it, and the metadata."""
+    import json
+
+    doc = json.loads(trace.read_text())
+    ops = [e for e in doc["traceEvents"] if str(e.get("cat", "")).startswith("profiler.")]
+    lo, hi = min(e["ts"] for e in ops) - 1000, max(e["ts"] + e["dur"] for e in ops) + 1000
+    doc["traceEvents"] = [e for e in doc["traceEvents"] if e.get("ph") == "M" or lo <= e.get("ts", -1) < hi]
+    out.write_text(json.dumps(doc))
+    return out
+
+
 def test_perfetto_ui_shows_profiler_ops_under_their_forward(ui_server, browser, tmp_path: Path) -> None:
     """``export --profiles`` of a real job (2 ranks, a scheduled window on rank 1 at steps 3-4;
     docs/profiling.md): in the UI, each of the window's ``aten::linear`` ops lies inside a ``forward``
@@ -225,7 +237,7 @@ def test_perfetto_ui_shows_profiler_ops_under_their_forward(ui_server, browser, 
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
                     "--save-path", str(tmp_path / "run"), "--steps", "6", "--eval-every", "0", "--checkpoint-every",
                     "0", "--hidden", "64", "--batch-size", "16"], check=True, capture_output=True, timeout=240, env=env)
-    trace = export(tmp_path / "run", "chrome", tmp_path / "trace.json").output
+    trace = export(tmp_path / "run", "chrome", tmp_path / "trace.json", steps=(3, 5)).output  # the window's steps
     merged = merge(trace, tmp_path / "run")
     assert len(merged.windows) == 1 and merged.problems == [] and validate_chrome_trace(trace) == []
     under = ("select count(*) as n_under from slice op join thread_track ot on op.track_id = ot.id "
@@ -233,8 +245,23 @@ def test_perfetto_ui_shows_profiler_ops_under_their_forward(ui_server, browser, 
              "and op.ts + op.dur <= f.ts + f.dur join thread_track ft on f.track_id = ft.id "
              "join thread t2 on ft.utid = t2.utid where op.name = 'aten::linear' and t.upid = t2.upid "
              "and t.name like 'profiler: %'")
-    with opened(browser, ui_server, trace) as page:
+    with opened(browser, ui_server, trace, 1600, 900) as page:
         assert sql(page, "select count(*) as n_lin from slice where name = 'aten::linear'", "n_lin") == 6
         assert sql(page, under, "n_under") == 6  # 3 Linear layers x 2 steps, each under its forward
         bad = "select count(*) as n_bad from stats where severity in ('error', 'data_loss') and value > 0"
         assert sql(page, bad, "n_bad") == 0
+    # The picture (docs/images/perfetto-profiles.png when OTEL_TRAIN_IMAGES names a folder): the events
+    # of the window's time (steps 3-4, a millisecond either side), rank 1 open.
+    with opened(browser, ui_server, _window_only(trace, tmp_path / "window.json"), 1600, 900) as page:
+        page.keyboard.press("Escape")
+        close = page.locator("[class*=tab] button, [class*=tab] .pf-button").filter(has_text="close")
+        if close.count():
+            close.first.click()
+        page.get_by_text("rank 1 ", exact=False).first.click()
+        collapse = page.locator("button, .pf-button").filter(has_text="keyboard_arrow_down")
+        if collapse.count():  # the bottom drawer's collapse button (a material icon's name)
+            collapse.last.click()
+        page.wait_for_timeout(1000)
+        shot = Path(os.environ.get("OTEL_TRAIN_IMAGES") or tmp_path) / "perfetto-profiles.png"
+        page.screenshot(path=str(shot))
+        assert shot.stat().st_size > 10_000
