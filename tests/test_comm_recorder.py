@@ -687,3 +687,30 @@ def test_a_recorder_that_falls_behind_says_so_once_and_counts_every_time(capsys:
     err = capsys.readouterr().err
     assert err.count("oldest op notes were dropped") == 1 and err.count("ended spans") == 1, err
     _report.reset()
+
+
+def test_a_buffer_op_a_rank_waits_in_is_written_before_the_paced_read(tmp_path: Path) -> None:
+    # A functional collective never passes a wrapper: its span comes from the buffer, whose reads are
+    # paced (here at most one every 30 s). A rank that stops issuing ops may be waiting in its last one,
+    # so the look after the counters stopped moving reads the buffer at once: the op's start is on disk
+    # within two looks (0.4 s), not at the next paced read.
+    done = run_scenario(tmp_path, """
+    import glob
+    import torch.distributed._functional_collectives as fc
+    from otel_train.comm import flight_recorder as fr
+    fr.MIN_READ_INTERVAL_S = fr.MAX_READ_INTERVAL_S = 30.0
+    ot.init(save_path=save, enabled=True)
+    group()
+    t = torch.ones(8)
+    fc.wait_tensor(fc.all_reduce(t, "sum", dist.group.WORLD))  # read at once (the first read is due)
+    time.sleep(1.0)
+    with ot.training_step(1):
+        fc.wait_tensor(fc.all_reduce(torch.ones(16), "sum", dist.group.WORLD))
+        time.sleep(2.0)  # the rank issues nothing more: as if it waited in that op
+        trace = glob.glob(os.path.join(save, "structured_logs", "*.jsonl"))[0]
+        seen = [json.loads(line) for line in open(trace)]
+        print(json.dumps([r["attrs"]["comm.bytes"] for r in seen if r["name"] == "comm.all_reduce"
+                          and r["kind"] == "span_start"]))
+    ot.shutdown()
+    """)
+    assert json.loads(done.stdout.splitlines()[-1]) == [32, 64]  # both buffer ops, the second while "waiting"

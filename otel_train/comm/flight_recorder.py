@@ -34,6 +34,9 @@ MIN_READ_INTERVAL_S = 0.75
 MAX_READ_INTERVAL_S = 5.0
 MAX_READ_SHARE = 0.02
 """A read that took d seconds of CPU waits at least d / MAX_READ_SHARE before the next one."""
+STOPPED_READ_SHARE = 0.05
+"""A read for a rank that stopped issuing ops (it may wait in its last one, docs/comm.md) comes as soon as
+the previous read's cost allows at this share of a core (d / STOPPED_READ_SHARE after it)."""
 MAX_STALL_DUMPS = 20
 
 
@@ -103,11 +106,15 @@ class BufferReader:
         self.reads = 0
         self.cpu_s = 0.0
         self._next_at = 0.0
+        self._read_at = 0.0
         self._last_record = -1
         self._cost = 0.0
 
     def due(self, now: float) -> bool:
         return self.enabled and now >= self._next_at
+
+    def due_when_stopped(self, now: float) -> bool:
+        return self.enabled and now >= self._read_at + self._cost / STOPPED_READ_SHARE
 
     def read(self, now: float) -> list[dict[str, Any]]:
         """Entries with a record id above the last read's (oldest first); [] when the buffer is empty."""
@@ -125,6 +132,7 @@ class BufferReader:
         # Paced by the smoothed cost, the first read left out (it pays one-time setup inside torch).
         self._cost = cost if self.reads == 2 else (0.7 * self._cost + 0.3 * cost if self.reads > 2 else 0.0)
         self._next_at = now + min(MAX_READ_INTERVAL_S, max(MIN_READ_INTERVAL_S, self._cost / MAX_READ_SHARE))
+        self._read_at = now
         return entries
 
     def new(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -92,6 +92,8 @@ class Recorder:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_counts: tuple[int, ...] | None = None  # the groups' op counters at the previous look
+        self._read_counts: tuple[int, ...] | None = None  # ... at the last read of the buffer
         self.spans = 0
         self.fr_spans = 0
         self.fr_lost = 0
@@ -158,13 +160,24 @@ class Recorder:
                 self._see_spans()
                 self._note_gaps(counters)
                 now = time.monotonic()
-                if (final or self._buffer.due(now)) and (self._fr_open or self._has_gaps()):
+                stopped = self._stopped(counters) and self._buffer.due_when_stopped(now)
+                if (final or stopped or self._buffer.due(now)) and (self._fr_open or self._has_gaps()):
+                    self._read_counts = self._last_counts
                     self._read_buffer(now)
                     if final:
                         self._settle(now + FR_SETTLE_S)
                 self._forget_spans(look_ns)
         finally:
             self._lock.release()
+
+    def _stopped(self, counters: list[tuple[GroupState, int]]) -> bool:
+        """Whether the groups issued no op since the previous look, and the buffer was not read since they
+        last did: a rank that stopped issuing ops may be waiting in the last one, whose span (a buffer-only
+        op: a functional collective) is then written at this look, not at the paced read's (docs/comm.md)."""
+        counts = tuple(counter for _, counter in counters)
+        stopped = counts == self._last_counts and counts != self._read_counts
+        self._last_counts = counts
+        return stopped
 
     def _announce_groups(self) -> None:
         """A ``comm.group`` instant for each group this process is in, at the first look that finds it
