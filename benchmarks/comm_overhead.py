@@ -9,7 +9,8 @@
    ``collectives=off``, with recording on (``auto``, Flight Recorder on: what ``ot.init`` before
    ``init_process_group`` gives), and with recording on but no buffer. Configurations alternate
    round by round, so a change of machine load hits all of them alike; medians of the rounds.
-   Target: recording adds <= 5 µs per op.
+   Target: recording adds <= 8 µs per op, the op's arrival record written on the issuing thread
+   included (docs/runtime.md, "The write guarantee").
 2. **Recorder CPU at 2,000 ops/s**: a process issuing ops at ``--rate`` for ``--seconds``; the
    recorder thread's and the watchdog thread's CPU time (``/proc/self/task/<tid>/stat``) over the wall
    time, for ops a wrapper sees (the buffer is read only when ops escape the wrappers) and for
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-TARGET_US, TARGET_SHARE, TARGET_BYTES = 5.0, 0.02, 600
+TARGET_US, TARGET_SHARE, TARGET_BYTES = 8.0, 0.02, 600
 
 LOOP = """
 import os, sys, time, json
