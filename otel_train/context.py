@@ -7,8 +7,10 @@ for ``threading.Thread``) sees the latest step set anywhere in the process. Know
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import Callable
 
@@ -87,6 +89,22 @@ def set_step(step: int, epoch: int | None = None, iteration: int | None = None) 
     _latest = state
     _current.set(state)
     return changed
+
+
+@contextlib.contextmanager
+def at_step(step: int) -> Iterator[None]:
+    """Records made inside (on this thread or task) carry ``step``, an earlier step than the current one,
+    its relative step shifted alike: for a record about a step that has ended (a profiler window's)."""
+    old = current()
+    if old.step is None:
+        yield
+        return
+    relative = None if old.relative_step is None else old.relative_step - (old.step - step)
+    token = _current.set(StepState(step, relative, old.epoch, None, ()))
+    try:
+        yield
+    finally:
+        _current.reset(token)
 
 
 def add_tag(tag: str) -> None:

@@ -266,3 +266,15 @@ def test_a_straggler_finding_from_watch_asks_that_rank_through_a_file(tmp_path: 
     check.look([], now_ns=10**10)
     assert (peer.pending, culprit.pending) == (None, "straggler") and check.fired == [("straggler", 0.0)]
     assert not (tmp_path / "profiles" / "requests" / "rank_2").exists()  # taken once
+
+
+def test_the_profile_instant_carries_the_windows_last_step(tmp_path: Path) -> None:
+    """Written at the step change past the window, it is about the window: its step is the last one."""
+    records: list[tuple[int | None, int | None]] = []
+    w, _, _ = windows(tmp_path, schedule=Schedule("10-12"), instant=lambda name, attrs: records.append(
+        (step_context.current().step, step_context.current().relative_step)))
+    for step in range(5, 15):
+        step_context.set_step(step)
+        w.on_step(step)
+    assert records == [(12, 7)] and step_context.current().step == 14
+    step_context.reset()

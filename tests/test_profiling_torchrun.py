@@ -48,6 +48,8 @@ def profile_instants(save: Path) -> dict[int, list[dict[str, Any]]]:
     out: dict[int, list[dict[str, Any]]] = {}
     for pf in find_process_files(save):
         out[pf.rank] = [r["attrs"] for r in reader.records(pf) if r.get("name") == "profile"]
+        assert all(a["steps"][1] == r["step"] for a, r in zip(out[pf.rank], (
+            r for r in Reader().records(pf) if r.get("name") == "profile")))  # carries the window's last step
     return out
 
 

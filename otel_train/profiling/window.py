@@ -147,8 +147,9 @@ class Windows:
             output.write_trace(active.profiler, self.run_dir, rel)
         finally:
             self.quiet_after_ns = _clock.now_ns()
-        self._instant(output.INSTANT_PROFILE, output.instant_attrs(
-            active.first, last, active.reason, rel, active.marker_ns, self.opened, active.activities))
+        with step_context.at_step(last):  # the record is about the window's steps (and --steps A-B finds it)
+            self._instant(output.INSTANT_PROFILE, output.instant_attrs(
+                active.first, last, active.reason, rel, active.marker_ns, self.opened, active.activities))
 
     def close(self) -> None:
         """At shutdown: close an open window at the current step (its trace and instant are written)."""
