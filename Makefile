@@ -104,6 +104,7 @@ bench: install
 	$(BIN)/python benchmarks/analysis_throughput.py
 	$(BIN)/python benchmarks/watch_scale.py
 	$(BIN)/python benchmarks/scale_sim.py
+	$(BIN)/python benchmarks/profile_trigger.py
 
 clean:
 	rm -rf runs build dist *.egg-info .pytest_cache

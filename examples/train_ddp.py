@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-rank", type=int)
     p.add_argument("--slow-phase", choices=FAULT_PHASES, default=phases.DATA_FETCH)
     p.add_argument("--slow-ms", type=float, default=200.0)
-    p.add_argument("--slow-from", type=int, default=0, help="--slow-rank is slow from this step on")
+    p.add_argument("--slow-from", type=int, help="--slow-rank is slow from this step on (default: always)")
     p.add_argument("--hang-rank", type=int)
     p.add_argument("--hang-step", type=int, default=10)
     p.add_argument("--hang-phase", choices=FAULT_PHASES, default=phases.FORWARD)
@@ -137,7 +137,7 @@ class Faults:
 
     def inject(self, phase: str) -> None:
         a = self.args
-        if a.slow_rank == self.rank and a.slow_phase == phase and self.step >= a.slow_from:
+        if a.slow_rank == self.rank and a.slow_phase == phase and (a.slow_from is None or self.step >= a.slow_from):
             time.sleep(a.slow_ms / 1000.0)
         if a.fault == "slow-stage" and a.fault_rank == self.rank and phase == phases.FORWARD:
             time.sleep(a.slow_ms / 1000.0)
