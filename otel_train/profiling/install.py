@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from otel_train import _report
 from otel_train import context as step_context
 from otel_train.profiling.triggers import LOOK_S, Triggers
 from otel_train.profiling.schedule import Schedule
@@ -44,6 +45,9 @@ def install(settings: Any, ctx: Any, jsonl: Any, watchdog: Any) -> Callable[[], 
 
     def stop() -> None:
         for step in reversed(undo):
-            step()
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - the other hooks are still removed
+                _report.report_exception("profiling shutdown", exc)
 
     return stop

@@ -3,7 +3,7 @@
 Where CUDA is available, :func:`install` starts ``torch.cuda.memory._record_memory_history`` and
 returns a listener for :data:`otel_train.api.error_listeners`: when a ``torch.OutOfMemoryError`` (or
 any exception whose message says "out of memory") ends a traced span, the snapshot is written once
-to ``<run>/profiles/rank_<r>/oom.step_<s>.pickle`` (open it at https://pytorch.org/memory_viz).
+to ``<run>/profiles/rank_<r>/oom.step_<s>.pickle`` (PyTorch's memory visualiser reads it).
 On CPU (no CUDA) it does nothing at all: no history, no listener, no file (docs/profiling.md).
 """
 
