@@ -16,7 +16,7 @@ from otel_train import schema
 from otel_train.analysis.reading.cache import uses
 from otel_train.analysis.records import logs_dir
 
-PROFILES_DIR = "profiles"
+PROFILES_DIR = schema.PROFILES_DIR
 _NAME = re.compile(r"(scheduled|straggler|slow_step)\.steps_(\d+)-(\d+)(?:\.attempt_(\d+))?\.pt\.trace\.json(?:\.gz)?")
 _RANK = re.compile(r"rank_(\d+)")
 

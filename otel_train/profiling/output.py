@@ -12,10 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-PROFILES_DIR = "profiles"
-INSTANT_PROFILE = "profile"
-MARKER = "otel_train.profile_marker"
-"""The name of the ``record_function`` a window records as it opens (the clock alignment's anchor)."""
+from otel_train.schema import INSTANT_PROFILE, PROFILE_MARKER as MARKER, PROFILES_DIR  # noqa: F401 - shared names
 
 
 def window_name(reason: str, first: int, last: int, attempt: int | None) -> str:

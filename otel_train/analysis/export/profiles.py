@@ -26,12 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from otel_train.analysis.export.layout import TID_STRIDE
+from otel_train.schema import INSTANT_PROFILE as INSTANT, PROFILE_MARKER as MARKER, PROFILES_DIR
 from otel_train.analysis.records import logs_dir
 
-MARKER = "otel_train.profile_marker"
-INSTANT = "profile"
 RAW_TS = "raw_ts"  # the export's name for a moved record's own time (docs/clock.md)
-PROFILES_DIR = "profiles"
 SORT_BASE = 1_000_000
 """Profiler tracks sort after every span track of the process."""
 
