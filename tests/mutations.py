@@ -173,6 +173,40 @@ MUTATIONS: list[Mutation] = [
         "from __future__ import annotations\nraise ImportError('mutant: the copy imports its own exporters')\n",
         ("tests/test_writer.py",),
         "the copy's own exporters/ is the one imported (the editable install would hide this mutation)"),
+    Mutation(
+        "write-path-buffered", "exporters/jsonl/processor.py",
+        "        if self._writer is not None:\n            self._writer.write(line)\n",
+        "        if self._writer is not None:\n            held = self.__dict__.setdefault('_held', [])\n"
+        "            held.append(line)\n            if len(held) >= 64:\n"
+        "                for one in held:\n                    self._writer.write(one)\n                held.clear()\n",
+        ("tests/faults/test_fault_self_kill.py", "tests/test_process_lifecycle.py::test_sigkill_mid_stream_tears_at_most_the_last_line"),
+        "the write path: a record held in Python after its call returned (a buffer, a queue) is lost on SIGKILL"),
+    Mutation(
+        "write-path-lagging-thread", "exporters/jsonl/processor.py",
+        "        if self._writer is not None:\n            self._writer.write(line)\n",
+        "        if self._writer is not None:\n            import threading as _t\n"
+        "            _t.Timer(0.02, self._writer.write, (line,)).start()\n",
+        ("tests/faults/test_fault_self_kill.py::test_sigkill_inside_a_span_at_once_leaves_every_earlier_record_and_the_span_start",),
+        "the write path: a writer thread that lags 20 ms behind the call (the regression of ca73bd0)"),
+    Mutation(
+        "stall-never-detected", "exporters/jsonl/writer.py",
+        "        if self.stalled_since or now - self._seen_at < STALL_S:\n",
+        "        if True:\n",
+        ("tests/test_writer.py::test_a_write_that_does_not_return_is_a_stall_reported_once_and_announced_when_it_returns",
+         "tests/faults/test_fault_stall_write.py"),
+        "a stalled storage: a write that does not return is found and reported by another thread"),
+    Mutation(
+        "stall-others-wait", "exporters/jsonl/processor.py",
+        "        while not self._writer_stalled():\n",
+        "        while True:\n",
+        ("tests/faults/test_fault_stall_write.py::test_a_write_that_never_returns_is_reported_other_threads_drop_and_sigterm_ends_it",),
+        "a stalled storage: other threads drop and count their records instead of waiting for the stuck write"),
+    Mutation(
+        "comm-arrival-late", "otel_train/comm/herald.py",
+        "    if arrival is None or not hasattr(ids, \"request_span_id\"):\n",
+        "    if True:\n",
+        ("tests/faults/test_fault_comm_arrival.py",),
+        "an op's arrival on disk before the backend has it (the recorder alone writes it up to 0.2 s later)"),
 ]
 
 
