@@ -263,3 +263,23 @@ def test_their_own_logger_writes_files_we_read(tmp_path: Path, monkeypatch: pyte
     assert {p["name"]: p["count"] for p in s["phases"]} == {"step": 1, "fwd_bwd": 1, "optim": 1}
     optim = next(x for x in _spans(tmp_path) if x.name == "optim")
     assert (optim.status, optim.error) == ("error", {"type": "RuntimeError", "message": "boom"})
+
+
+def test_push_sends_their_spans_with_their_errors(tmp_path: Path) -> None:
+    from otel_train.analysis.otlp_send import open_destination
+    from otel_train.analysis.push import replay
+    from tests.otlp_receivers import GrpcOtlpReceiver
+
+    w = TitanWriter(tmp_path, 0)
+    w.span("fetching_batch", T0, 1_000, 1)
+    w.rec("event", "fwd_bwd_start", T0 + 2_000, 1)
+    w.rec("event", "fwd_bwd_error", T0 + 5_000, 1, message="[step 1] fwd_bwd_error: ValueError: bad batch")
+    w.rec("event", "fwd_bwd_end", T0 + 5_000, 1, value=3.0)
+    w.rec("event", "step_start", T0 + 6_000, 2)  # open: sent as incomplete
+    with GrpcOtlpReceiver() as rx:
+        stats = replay(tmp_path, open_destination(rx.endpoint, "grpc"))
+        received = rx.wait_for(stats.spans)
+    assert sorted(s["name"] for s in received) == ["fetching_batch", "fwd_bwd", "step"]
+    failed = next(s for s in received if s["name"] == "fwd_bwd")
+    assert (failed["status_code"], failed["status_message"]) == (2, "ValueError: bad batch")
+    assert stats.incomplete_spans == 1
