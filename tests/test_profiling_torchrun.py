@@ -116,3 +116,54 @@ def test_summarize_lists_the_windows(job: tuple[Path, Any]) -> None:
                           capture_output=True, text=True, timeout=120).stdout
     assert "rank 0 profiled at steps 10\u201312: scheduled" in text
     assert re.search(r"rank 2 profiled at steps 2[0-3]\u20132[2-5]: straggler", text)
+
+
+def test_export_profiles_as_perfetto_protobuf_puts_the_operators_under_rank_2s_forward(job: tuple[Path, Any]) -> None:
+    # The same windows in the Perfetto format, decoded with Perfetto's own protos: a profiler track under
+    # rank 2's process, its slices strictly nested, each aten::linear inside one of rank 2's forward slices.
+    pb = pytest.importorskip("perfetto.protos.perfetto.trace.perfetto_trace_pb2")
+    save, _ = job
+    out = save / "analysis" / "merged.pftrace"
+    done = subprocess.run([sys.executable, "-m", "otel_train.cli", "export", str(save), "--profiles", "--format",
+                           "perfetto", "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "profiles: 3 windows merged" in done.stdout
+    trace = pb.Trace.FromString(out.read_bytes())
+    pid_of, track_pid, profiler_tracks, names = {}, {}, set(), {}
+    for p in trace.packet:
+        if p.HasField("track_descriptor"):
+            td = p.track_descriptor
+            if td.HasField("process"):
+                pid_of[td.uuid] = td.process.pid
+                names[td.process.pid] = td.process.process_name
+            elif td.HasField("thread"):
+                track_pid[td.uuid] = td.thread.pid
+            elif td.name.startswith("profiler: "):
+                track_pid[td.uuid] = pid_of[td.parent_uuid]
+                profiler_tracks.add(td.uuid)
+    pid = next(pid for pid, name in names.items() if name.startswith("rank 2"))
+    interned: dict[int, dict[int, str]] = {}
+    open_: dict[int, list[tuple[str, int]]] = {}
+    forwards, linears = [], []
+    for p in trace.packet:
+        seq = p.trusted_packet_sequence_id
+        for n in p.interned_data.event_names:
+            interned.setdefault(seq, {})[n.iid] = n.name
+        if not p.HasField("track_event"):
+            continue
+        te = p.track_event
+        stack = open_.setdefault(te.track_uuid, [])
+        if te.type == 1:
+            stack.append((te.name or interned.get(seq, {}).get(te.name_iid, ""), p.timestamp))
+        elif te.type == 2:
+            name, start = stack.pop()  # an end closes the innermost open slice of its track
+            if track_pid.get(te.track_uuid) != pid:
+                continue
+            if name == "forward":
+                forwards.append((start, p.timestamp))
+            elif name == "aten::linear" and te.track_uuid in profiler_tracks:
+                linears.append((start, p.timestamp))
+    assert all(not stack for stack in open_.values())
+    assert len(linears) == 3 * 3 and forwards
+    for start, end in linears:
+        assert any(f0 - 100_000 <= start and end <= f1 + 100_000 for f0, f1 in forwards), (start, end)

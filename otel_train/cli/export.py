@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
@@ -78,7 +78,7 @@ def export(
                                   help="Neither use nor fill the run's read cache, nor reuse an earlier export."),
     profiles: bool = typer.Option(False, "--profiles",
                                   help="Merge the run's torch.profiler windows (operators, kernels) under the "
-                                       "ranks' phase spans, on the trace's clock (chrome only; docs/profiling.md)."),
+                                       "ranks' phase spans, on the trace's clock (chrome or perfetto; docs/profiling.md)."),
 ) -> None:
     """Write a trace for Perfetto UI / chrome://tracing: a process per rank and attempt, a track per task."""
     with cli_errors():
@@ -93,8 +93,8 @@ def export(
         if fr is not None and not fr.exists():
             warn(f"warning: --fr {fr}: no such file or directory; exporting without Flight Recorder dumps")
         stream = output is not None and str(output) == STDOUT
-        if profiles and (fmt != "chrome" or stream):
-            fail("--profiles: merged into a chrome export written to a file only; drop --format/--output -", 2)
+        if profiles and (fmt not in ("chrome", "perfetto") or stream):
+            fail("--profiles: merged into a chrome or perfetto export written to a file only; drop --format/--output -", 2)
         if stream and sys.stdout.isatty():
             fail("--output -: stdout is a terminal; pipe it (| gzip > trace.json.gz) or name a file", 2)
         if output is not None and not stream:
@@ -108,13 +108,19 @@ def export(
 
             with byte_progress(path, "exporting") as progress:
                 reader = Reader(warn=warn, progress=progress)
-                done = export_run(path, fmt, sys.stdout.buffer if stream else output, ranks=rank_set,
-                                  steps=step_range, reader=reader, fr=fr, align=not no_align, cache=not no_cache)
+                options = dict(ranks=rank_set, steps=step_range, reader=reader, fr=fr, align=not no_align,
+                               cache=not no_cache)
+                if profiles:
+                    from otel_train.analysis.profiles_export import export_with_profiles
+
+                    done, merged = export_with_profiles(path, fmt, output, **options)
+                else:
+                    done = export_run(path, fmt, sys.stdout.buffer if stream else output, **options)
                 if stream:
                     sys.stdout.buffer.flush()
             note_malformed(done.malformed_lines)
             if profiles:
-                return _wrote(done) + "\n" + _merge_profiles(done.output, path), _clock_line(done, fmt)
+                return _wrote(done) + "\n" + _merged_line(merged), _clock_line(done, fmt)
             if done.processes == 0:
                 warn("warning: no process matched --ranks; the trace is empty")
             return _wrote(done), _clock_line(done, fmt)
@@ -137,10 +143,7 @@ def _wrote(result: ExportResult) -> str:
             + (f", {result.dump_ops} ops from Flight Recorder dumps" if result.dump_ops else ""))
 
 
-def _merge_profiles(output: Path, path: Path) -> str:
-    from otel_train.analysis.export.profiles import merge
-
-    merged = merge(output, path)
+def _merged_line(merged: Any) -> str:
     for problem in merged.problems:
         warn(f"warning: --profiles: {problem}; merged the others")
     windows = ", ".join(f"{w['process']} steps {w['steps'][0]}-{w['steps'][1]} ({w['reason']})"

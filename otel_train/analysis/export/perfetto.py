@@ -26,6 +26,10 @@ import msgspec
 import numpy as np
 
 from otel_train import schema
+from otel_train.analysis.protowire import (
+    UUID_STRIDE as _UUID_STRIDE, WT_I64 as _WT_I64, WT_LEN as _WT_LEN, WT_VARINT as _WT_VARINT, bytes_field,
+    key as _key, process_uuid as _process_uuid, str_field, uint_field,
+)
 from otel_train.analysis.export.layout import (
     NO_STEP, CounterColumns, Counts, FlowColumns, InstantColumns, ProcessLayout, SpanColumns, track_tid,
 )
@@ -81,8 +85,6 @@ HEAD = b""
 SEPARATOR = b""
 """... nor separators: packets simply follow each other."""
 
-_WT_VARINT, _WT_I64, _WT_LEN = 0, 1, 2
-_UUID_STRIDE = 1 << 24
 _COUNTER_UUID_BASE = 1 << 23
 _INT64_MAX = (1 << 63) - 1
 _CHUNK_ROWS = 4096
@@ -96,37 +98,6 @@ _encode_json = msgspec.json.Encoder().encode
 
 # ---------------------------------------------------------------------------------------------
 # Single fields
-
-
-def varint(n: int) -> bytes:
-    """Base-128 varint; negative numbers as their 64-bit two's complement (protobuf int64)."""
-    if n < 0:
-        n &= (1 << 64) - 1
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _key(field: int, wire_type: int) -> bytes:
-    return varint(field << 3 | wire_type)
-
-
-def uint_field(field: int, value: int) -> bytes:
-    """A varint field (uint64, int64, int32, bool, enum)."""
-    return _key(field, _WT_VARINT) + varint(value)
-
-
-def bytes_field(field: int, value: bytes) -> bytes:
-    """A length-delimited field (bytes, string, embedded message)."""
-    return _key(field, _WT_LEN) + varint(len(value)) + value
-
-
-def str_field(field: int, value: str) -> bytes:
-    """A string field."""
-    return bytes_field(field, value.encode("utf-8", "replace"))
 
 
 def debug_annotation(name: str, value: object) -> bytes:
@@ -384,10 +355,6 @@ def tail(origin_us: int, processes: int, malformed: int, clock: Any = None) -> b
     """Nothing: the stream ends with the last process's packets (a moved host's offsets are in its
     process name: docs/clock.md)."""
     return b""
-
-
-def _process_uuid(pid: int) -> int:
-    return pid * _UUID_STRIDE
 
 
 def _track_uuid(pid: int, track_index: int | np.ndarray) -> int | np.ndarray:
