@@ -202,6 +202,14 @@ def test_both_kinds_of_files_in_one_directory(tmp_path: Path) -> None:
     assert s["malformed_lines"] == 0
 
 
+def test_a_metric_named_kind_does_not_make_their_file_ours(tmp_path: Path) -> None:
+    w = TitanWriter(tmp_path, 0)
+    w.rec("instant", "metric_value", T0, 1, value=1.0, event_name="kind")
+    w.span("step", T0 + 10, 5_000, 1)
+    s = _summary(tmp_path)
+    assert (s["malformed_lines"], s["processes"][0]["format"]) == (0, "torchtitan")
+
+
 def test_pimm_files_are_named_pimm(tmp_path: Path) -> None:
     TitanWriter(tmp_path, 0, source="trainer", logger="pimm.structured_logger").span("step", T0, 5_000, 1)
     assert _summary(tmp_path)["processes"][0]["format"] == "pimm"

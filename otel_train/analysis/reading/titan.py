@@ -1,7 +1,7 @@
 """The second decoder: torchtitan's structured-logger files (and pimm's copy of it), read as they are.
 
 Their files are named like ours (``<source>.global_rank_<rank>.<stamp>-<rand>.jsonl``); a buffer is
-theirs when its first 4 KiB have the key ``log_type_name`` and no ``kind`` (each of ours has ``kind``). Their
+theirs when its first 4 KiB have the key ``log_type_name`` and not the key ``kind`` (each of ours has it). Their
 records become the same record types ours decode into (docs/integrations-frameworks.md, "The file
 format mapping"), so the one span model pairs them:
 
@@ -98,10 +98,11 @@ _HEAD_DECODER = msgspec.json.Decoder(_TitanHead)
 
 
 def is_titan(buf: bytes | memoryview) -> bool:
-    """Whether a buffer of whole lines is theirs: its first 4 KiB name ``log_type_name`` and never ``kind``
-    (every record of ours has ``kind``; a bad first line does not decide)."""
+    """Whether a buffer of whole lines is theirs: its first 4 KiB name ``log_type_name`` and never the key
+    ``kind`` (every record of ours has ``"kind":"`` (or ``"kind": "``, rewritten by ``json.dumps``); a
+    value ``"kind"`` of theirs is followed by ``,`` or ``}``; a bad first line does not decide)."""
     first = bytes(buf[:4096])
-    return b'"log_type_name"' in first and b'"kind"' not in first
+    return b'"log_type_name"' in first and b'"kind":"' not in first and b'"kind": "' not in first
 
 
 class Stream:
