@@ -51,6 +51,8 @@ most :data:`flight_recorder.MAX_READ_INTERVAL_S` apart)."""
 MARGIN_NS = 100_000_000
 """Spans that ended this long before the last look that left no op unread are kept anyway (clock slack)."""
 STEP_HISTORY = 1024
+PAUSE_SLICE_S = 0.02
+"""The recorder thread's sleeps between looks come in slices this long: a stop is seen within one."""
 FR_SETTLE_S = 0.3
 """At a final look (``destroy_process_group``, shutdown), how long buffer ops still running are read
 again to see them end: gloo marks an op completed from its own thread a few ms after its result was
@@ -136,11 +138,23 @@ class Recorder:
         self.poll(final=True, wait_s=wait_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
+        while not self._pause():
             try:
                 self.poll()
             except Exception as exc:  # noqa: BLE001 - the recorder keeps looking; training never hears of it
                 _report.report_exception("comm recorder", exc)
+
+    def _pause(self) -> bool:
+        """Wait ``poll_s`` in short relative sleeps; whether to stop. Not ``Event.wait``: a timed wait on an
+        absolute deadline never returned in a process whose clocks libfaketime offsets (the recorder then
+        wrote no span until the final flush, tests/test_clock_torchrun.py); a stop is seen within a slice."""
+        end = time.monotonic() + self.poll_s
+        while not self._stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(PAUSE_SLICE_S, left))
+        return True
 
     def poll(self, *, final: bool = False, wait_s: float = -1) -> None:
         """One look (see the module doc)."""
