@@ -44,17 +44,21 @@ class Roots:
         if not text or "\x00" in text:
             raise FileNotFoundError("run: give a run directory as list_runs names it")
         candidates = [Path(text)] if os.path.isabs(text) else [r / text for r in self.roots]
+        outside = False
         for c in candidates:
-            if c.exists():
-                real = c.resolve()
-                if not self.inside(real):
-                    raise OutsideRoots(f"{text}: outside the roots this server reads ({self.describe()})")
+            real = c.resolve()  # before any look at it: a path outside the roots is refused unseen
+            if not self.inside(real):
+                outside = True
+                continue
+            if real.exists():
                 if real.is_file():
                     raise FileNotFoundError(f"{text}: a file, not a run directory")
                 if real.name == schema.STRUCTURED_LOGS_DIR:
                     real = real.parent
                 self.check_links(real)
                 return real
+        if outside:
+            raise OutsideRoots(f"{text}: outside the roots this server reads ({self.describe()})")
         raise FileNotFoundError(f"{text}: no such run under {self.describe()} (list_runs names them)")
 
     def check_links(self, run: Path) -> None:
