@@ -59,6 +59,13 @@ def comm_spans(recs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[st
             if r["kind"] == S.SPAN_START and S.comm_op_of(r["name"]) is not None]
 
 
+def op_attrs(start: dict[str, Any], end: dict[str, Any] | None) -> dict[str, Any]:
+    """An op's attrs as readers take them, the end's over the start's: a recv from any source learns its
+    peer and per-peer seq when it returns, and its start record, written before the op is handed to the
+    backend, has neither (docs/comm.md, "Limits")."""
+    return {**start["attrs"], **((end or {}).get("attrs") or {})}
+
+
 def parents(recs: list[dict[str, Any]]) -> dict[str, str]:
     return {r["span_id"]: r["name"] for r in recs if r["kind"] == S.SPAN_START}
 
@@ -81,7 +88,9 @@ def check_comm(runs: Records, world: int) -> dict[tuple[str, int], dict[int, tup
                 announced[attrs["group"]] = r["seq"]
         seen = set()
         for start, end in spans:
-            attrs, op = start["attrs"], S.comm_op_of(start["name"])
+            op = S.comm_op_of(start["name"])
+            assert op not in S.P2P_OPS or S.ATTR_COMM_PEER in start["attrs"] or op == "recv", (rank, start)
+            attrs = op_attrs(start, end)
             assert op in S.COMM_OPS
             group, seq = attrs[S.ATTR_COMM_GROUP], attrs[S.ATTR_COMM_SEQ]
             assert isinstance(group, str) and isinstance(seq, int) and seq >= 1
@@ -106,8 +115,8 @@ def check_p2p(runs: Records) -> int:
     """The k-th send A→B in a group and the k-th recv on B from A carry the same bytes; returns the pairs."""
     sends, recvs = {}, {}
     for rank, recs in runs.items():
-        for start, _ in comm_spans(recs):
-            attrs, op = start["attrs"], S.comm_op_of(start["name"])
+        for start, end in comm_spans(recs):
+            attrs, op = op_attrs(start, end), S.comm_op_of(start["name"])
             if op in S.P2P_OPS:
                 src, dst = (rank, attrs[S.ATTR_COMM_PEER]) if op == "send" else (attrs[S.ATTR_COMM_PEER], rank)
                 (sends if op == "send" else recvs)[(attrs[S.ATTR_COMM_GROUP], src, dst, attrs[S.ATTR_COMM_SEQ])] = (
@@ -318,7 +327,8 @@ def test_p2p_ops_made_before_init_are_recorded_and_matched(tmp_path: Path) -> No
     check_comm(runs, 2)
     assert check_p2p(runs) == 3  # the batch: 0 -> 1 and 1 -> 0; then 0 -> 1 once more
     for rank, recs in runs.items():
-        spans = [(s["name"], s["attrs"][S.ATTR_COMM_SEQ], s["attrs"][S.ATTR_COMM_PEER]) for s, _ in comm_spans(recs)]
+        spans = [(s["name"], op_attrs(s, e)[S.ATTR_COMM_SEQ], op_attrs(s, e)[S.ATTR_COMM_PEER])
+                 for s, e in comm_spans(recs)]
         peer = 1 - rank
         last = ("comm.send", 2, 1) if rank == 0 else ("comm.recv", 2, 0)
         assert sorted(spans) == sorted([("comm.send", 1, peer), ("comm.recv", 1, peer), last])
