@@ -45,6 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import otel_train as ot
 from otel_train import phases
 from otel_train import torch as ott
+from train_ddp import cpu_wait_ms  # the example beside this one (the script's folder is on sys.path)
 
 log = logging.getLogger("train_parallel")
 FEATURES, HIDDEN, CLASSES = 32, 64, 8
@@ -189,15 +190,6 @@ def train_plain(args: argparse.Namespace, faults: Faults, model: nn.Module, seed
             optimizer.zero_grad(set_to_none=True)
     handle.remove()
 
-
-def cpu_wait_ms() -> float:
-    """The calling thread's time runnable but not running since it started (schedstat's run delay), in ms;
-    NaN where the kernel does not say."""
-    try:
-        with open("/proc/thread-self/schedstat", encoding="ascii") as f:
-            return int(f.read().split()[1]) / 1e6
-    except (OSError, IndexError, ValueError):
-        return float("nan")
 
 
 def run_pp(args: argparse.Namespace, faults: Faults) -> None:

@@ -148,10 +148,7 @@ def run_sql(con: duckdb.DuckDBPyConnection, sql: str, *, timeout_s: float | None
     import duckdb
 
     check(con, sql)
-    timer = threading.Timer(timeout_s, con.interrupt) if timeout_s else None
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
+    timer = _interrupt_after(con, timeout_s)
     try:
         cur = con.execute(sql)
         columns = [d[0] for d in cur.description or ()]
@@ -189,10 +186,7 @@ def write_parquet(con: duckdb.DuckDBPyConnection, sql: str, path: str, timeout_s
     import duckdb
 
     check(con, sql)
-    timer = threading.Timer(timeout_s, con.interrupt) if timeout_s else None
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
+    timer = _interrupt_after(con, timeout_s)
     try:
         data = con.execute(sql).fetchnumpy()
     except duckdb.InterruptException:
@@ -215,3 +209,13 @@ def write_parquet(con: duckdb.DuckDBPyConnection, sql: str, path: str, timeout_s
         raise QueryRefused(f"cannot write {path} as Parquet: {_first_line(exc)}") from None
     finally:
         out.close()
+
+
+def _interrupt_after(con: duckdb.DuckDBPyConnection, timeout_s: float | None) -> threading.Timer | None:
+    """A started daemon timer that interrupts ``con``'s statement after ``timeout_s`` (None: no cap)."""
+    if not timeout_s:
+        return None
+    timer = threading.Timer(timeout_s, con.interrupt)
+    timer.daemon = True
+    timer.start()
+    return timer
