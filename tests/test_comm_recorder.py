@@ -714,3 +714,27 @@ def test_a_buffer_op_a_rank_waits_in_is_written_before_the_paced_read(tmp_path: 
     ot.shutdown()
     """)
     assert json.loads(done.stdout.splitlines()[-1]) == [32, 64]  # both buffer ops, the second while "waiting"
+
+
+def test_an_arrival_with_a_parent_leaves_no_trace_id_for_a_later_span(tmp_path: Path) -> None:
+    # The herald chose a trace id for every op, and the recorder asked the id generator for it before
+    # starting the op's span; a span with a parent takes the parent's trace id, so the request stayed,
+    # and the next span begun without a parent on the recorder's thread (a buffer op issued outside any
+    # span) took the earlier op's trace.
+    run_scenario(tmp_path, """
+    import torch.distributed._functional_collectives as fc
+    ot.init(save_path=save, enabled=True)
+    group()
+    t = torch.ones(4)
+    with ot.log_trace_span("backward"):
+        dist.all_reduce(t)
+    time.sleep(0.6)  # the recorder begins the op's span
+    fc.wait_tensor(fc.all_reduce(t, "sum", dist.group.WORLD))  # outside any span: its span has no parent
+    time.sleep(1.0)
+    ot.shutdown()
+    """)
+    (python_op, _), (buffer_op, _) = spans_by_seq(tmp_path)
+    backward = next(r for r in records(tmp_path) if r["name"] == "backward")
+    assert python_op["trace_id"] == backward["trace_id"] and python_op["parent_span_id"] == backward["span_id"]
+    assert buffer_op["attrs"].get("comm.source") == "flight_recorder" and "parent_span_id" not in buffer_op
+    assert buffer_op["trace_id"] != backward["trace_id"]

@@ -55,14 +55,16 @@ class Herald:
         self._arrival(S.comm_span_name(note.op),
                       span_attrs(note.op, state.name, note.seq, note.peer, note.nbytes, note.dtype),
                       note.start_ns, parent, trace_id, span_id, note.tid)
-        note.ids = (trace_id, span_id)
+        note.ids = (None if parent is not None else trace_id, span_id)
 
     def adopt(self, note: Note) -> None:
         """On the recorder's thread, right before it starts the note's span: the span gets the ids its
         start record was written with."""
         if note.ids is not None:
-            self._ids.request_trace_id(note.ids[0])  # used only without a parent, as it was chosen
-            self._ids.request_span_id(note.ids[1])
+            trace_id, span_id = note.ids
+            if trace_id is not None:  # chosen for an op without a parent: with one, the parent's is taken
+                self._ids.request_trace_id(trace_id)  # (a request left unused would go to a later span)
+            self._ids.request_span_id(span_id)
 
 
 def make_herald(ids: Any, arrival: Arrival | None, instant: Callable[[str, dict[str, Any]], None]) -> Herald | None:

@@ -61,7 +61,7 @@ class Note:
         self.error: str | None = None
         self.end_ns = 0
         self.work: Any = None  # an async op's Work without a future: the recorder polls is_completed()
-        self.ids: tuple[int, int] | None = None  # (trace id, span id) its start record was written with
+        self.ids: tuple[int | None, int] | None = None  # (trace id without a parent, span id) of its start record
         self.start_ns = time_ns()
 
     def done(self, fut: Any = None) -> None:
