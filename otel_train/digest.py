@@ -45,10 +45,9 @@ class DigestWriter:
         if now - self._last >= self._every_s and sink.records_written != self._last_seq:
             self.write(sink, sketch)
 
-    def write(self, sink: JsonlSpanProcessor, sketch: Any, final: bool = False) -> None:
+    def write(self, sink: JsonlSpanProcessor, sketch: Any) -> None:
         """Write the digest now, with ``sketch.snapshot()`` as its phases (never raises: a failure is
-        reported once and counted). ``final``: shutdown's (the records are in the kernel as they are
-        made, so there is nothing more to wait for)."""
+        reported once and counted)."""
         self._last = time.monotonic()
         try:
             point = sink.digest_point()

@@ -230,7 +230,7 @@ class Watchdog:
         """At shutdown, after the open spans ended: count what ended since the last look, write the digest."""
         if self.digest is not None:
             self.sketch.count(self._drain())
-            self.digest.write(self._sink, self.sketch, final=True)  # type: ignore[arg-type]
+            self.digest.write(self._sink, self.sketch)  # type: ignore[arg-type]
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """Stop the thread; waits at most ``timeout_s`` for a look in progress to finish."""

@@ -133,23 +133,12 @@ class RecordEncoder:
 
     def span_body(self, span: Any, state: StepState, tid: int) -> str:
         """Ids, step context, run context and thread of a span: the part its two lines share."""
-        ctx = span._context
-        trace_id = ctx.trace_id
-        # Spans mostly arrive in runs of one trace: a one-entry cache saves formatting the trace id.
-        last_id, trace_part = self._hex
-        if last_id != trace_id:
-            trace_part = ',"%s":"%032x"' % (S.TRACE_ID, trace_id)
-            self._hex = (trace_id, trace_part)
-        parent = span._parent
-        step = state.sink_cache
-        if step is None:
-            step = _step_fragment(state)
-        if parent is not None:
-            return _BODY_WITH_PARENT % (trace_part, ctx.span_id, parent.span_id, step, self._static, tid)
-        return _BODY % (trace_part, ctx.span_id, step, self._static, tid)
+        ctx, parent = span._context, span._parent
+        return self.op_body(ctx.trace_id, ctx.span_id, None if parent is None else parent.span_id, state, tid)
 
     def op_body(self, trace_id: int, span_id: int, parent_id: int | None, state: StepState, tid: int) -> str:
         """:meth:`span_body` of a span known only by its ids (an op's arrival, written before its span exists)."""
+        # Spans mostly arrive in runs of one trace: a one-entry cache saves formatting the trace id.
         last_id, trace_part = self._hex
         if last_id != trace_id:
             trace_part = ',"%s":"%032x"' % (S.TRACE_ID, trace_id)

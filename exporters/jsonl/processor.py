@@ -99,7 +99,9 @@ class JsonlSpanProcessor(SpanProcessor):
         self._stall_dropped_since = 0  # stall_dropped at the last stall notice
         self._deadline = 0.0  # monotonic; shutdown's bound on every wait for the lock (0.0: none)
         self._unwritten: set[int] = set()  # spans whose start was dropped: their end is dropped too
-        self._arrived: dict[int, tuple] = {}  # starts written by arrival(), their spans not begun yet
+        # Starts written by arrival(), their spans not begun yet: span id -> ((name, attrs, start ns, parent,
+        # trace id): what a LeanSpan needs, (body, step context, tid): the rest of its OpenEntry).
+        self._arrived: dict[int, tuple[tuple[Any, ...], tuple[str, StepState, int]]] = {}
         if writer is not None and hasattr(writer, "on_loss"):
             writer.on_loss = self._on_loss
         if writer is not None and hasattr(writer, "on_notice"):
@@ -120,12 +122,16 @@ class JsonlSpanProcessor(SpanProcessor):
         """From now on no wait for the lock lasts past ``deadline`` (``time.monotonic()``): shutdown's bound."""
         self._deadline = deadline
 
-    def _wait_lock(self, what: str, limit_s: float = LOCK_WAIT_S) -> bool:
+    def _entered(self, what: str) -> bool:
+        """The lock taken, at once or as :meth:`_wait_lock` allows (the hot paths inline the first try)."""
+        return self._lock.acquire(False) or self._wait_lock(what)
+
+    def _wait_lock(self, what: str) -> bool:
         """The lock is busy: wait while the record in progress is being written (True once taken). False,
-        the record dropped and counted, once the writer is stalled or after ``limit_s`` (or shutdown's
+        the record dropped and counted, once the writer is stalled or after ``LOCK_WAIT_S`` (or shutdown's
         deadline): a thread stuck in a write never takes the others with it."""
         lock, start = self._lock, _monotonic()
-        end = start + limit_s
+        end = start + LOCK_WAIT_S
         if self._deadline:
             end = min(end, self._deadline)
         while not self._writer_stalled():
@@ -192,7 +198,7 @@ class JsonlSpanProcessor(SpanProcessor):
                 seq = self._seq + 1
                 line = self._encoder.op_start(name, body, seq, start_ns, attrs)
                 self._seq = seq
-                self._arrived[span_id] = (name, attrs, start_ns, parent, trace_id, body, state, tid)
+                self._arrived[span_id] = ((name, attrs, start_ns, parent, trace_id), (body, state, tid))
                 self._write(line)
             finally:
                 lock.release()
@@ -206,7 +212,7 @@ class JsonlSpanProcessor(SpanProcessor):
             return False
         if type(span) is not LeanSpan and not getattr(span, "_runtime_clock", False):
             span._start_time = from_wall(span._start_time)  # as span_start would have: on the records' clock
-        self._open[span._context.span_id] = (span, *entry[5:])
+        self._open[span._context.span_id] = (span, *entry[1])
         return True
 
     def on_end(self, span: ReadableSpan) -> None:
@@ -291,18 +297,17 @@ class JsonlSpanProcessor(SpanProcessor):
         """Every open span's (span, body, step context, native thread id), in start order (one dict copy, no lock)."""
         return list(self._open.copy().values())
 
-    def digest_point(self, wait_s: float = RUNTIME_LOCK_WAIT_S,
-                     writer_wait_s: float | None = None) -> tuple[int, tuple[int, int], list[OpenEntry]] | None:
+    def digest_point(self, wait_s: float = RUNTIME_LOCK_WAIT_S) -> tuple[int, tuple[int, int], list[OpenEntry]] | None:
         """(seq, the file's (inode, size), the open spans) at one instant, for a digest: taken under the
         write lock (waiting at most ``wait_s``), so the open spans are exactly those the file shows open
-        at that size (every record up to ``seq`` is in the kernel; ``writer_wait_s`` is unused). None without
-        a file, or while the writer is stalled."""
+        at that size (every record up to ``seq`` is in the kernel). None without a file, or while the
+        writer is stalled."""
         if self._writer_stalled():
             return None  # the lock is held by a write that does not return: no digest until it does
         if not self._lock.acquire(timeout=wait_s):
             raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
         try:
-            position = self._writer.position(writer_wait_s) if self._writer is not None and not self._closed else None
+            position = self._writer.position() if self._writer is not None and not self._closed else None
             return None if position is None else (self._seq, position, list(self._open.values()))
         finally:
             self._lock.release()
@@ -321,7 +326,7 @@ class JsonlSpanProcessor(SpanProcessor):
         if wait_s >= 0:
             if not self._lock.acquire(timeout=wait_s):
                 raise TimeoutError(f"a record write held the trace file for over {wait_s:g} s")
-        elif not self._lock.acquire(False) and not self._wait_lock("an instant or scalar"):
+        elif not self._entered("an instant or scalar"):
             return
         try:
             if self._closed:
@@ -369,12 +374,12 @@ class JsonlSpanProcessor(SpanProcessor):
         From here on no new span is written (instants still are, until :meth:`finish`). Waits for the lock
         as a record does (bounded by :meth:`finish_by`); without it, returns 0 and writes nothing.
         """
-        if not self._lock.acquire(False) and not self._wait_lock("shutdown's incomplete ends"):
+        if not self._entered("shutdown's incomplete ends"):
             self._sealed = True
             return 0
         with _Held(self._lock):
             self._sealed = True
-            for span_id, (name, attrs, start_ns, parent, trace_id, *rest) in self._arrived.items():
+            for span_id, ((name, attrs, start_ns, parent, trace_id), rest) in self._arrived.items():
                 # an op whose span never began: ended here like any open span
                 span = LeanSpan(name, SpanContext(trace_id, span_id, False, _SAMPLED), parent, attrs, None)
                 span._start_time = start_ns
@@ -417,7 +422,7 @@ class JsonlSpanProcessor(SpanProcessor):
         One lock hold: no record of any thread can come after it. Without the lock (a stalled write
         holds it past shutdown's deadline) nothing is written: the storage does not answer.
         """
-        if not self._lock.acquire(False) and not self._wait_lock("process_end"):
+        if not self._entered("process_end"):
             return
         with _Held(self._lock):
             if self._closed:
@@ -435,7 +440,7 @@ class JsonlSpanProcessor(SpanProcessor):
             self._on_loss(lost[0], lost[1], "trace file deleted")
 
     def shutdown(self) -> None:
-        if not self._lock.acquire(False) and not self._wait_lock("the file's close"):
+        if not self._entered("the file's close"):
             return
         with _Held(self._lock):
             if self._closed:

@@ -202,9 +202,8 @@ class RotatingFileWriter:
         """Whether a call into the OS has been in progress for ``STALL_S`` and has not returned."""
         return bool(self.stalled_since)
 
-    def position(self, timeout_s: float | None = None) -> tuple[int, int] | None:
+    def position(self) -> tuple[int, int] | None:
         """(inode, size) of the active file, or None while there is none (closed, or failed and not reopened).
-        ``timeout_s`` is unused: the records are written in the caller's thread, so nothing is waited for.
 
         A reader finds where a digest was taken by the inode: rotation renames the file, keeping it.
         """
