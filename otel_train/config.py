@@ -304,7 +304,7 @@ _FIELDS: dict[str, _Field] = {
     "profile_max_windows": _Field(_int_at_least(0, MAX_INT), "a whole number of windows from 0 to 2**53 (0: none)"),
     "profile_activities": _Field(_profile.profile_activities,
                                  "a comma list of cpu, cuda, shapes, stack, memory with cpu or cuda in it"),
-    "memory_snapshot": _Field(_profile.memory_snapshot, "one of off, on_oom (docs/profiling.md)"),
+    "memory_snapshot": _Field(_choice(_profile.MEMORY_SNAPSHOT), "one of off, on_oom (docs/profiling.md)"),
     "redact": _Field(_redact, "a comma list of more secret name parts (e.g. WANDB) and 're:<regex>' value patterns"),
 }
 

@@ -85,12 +85,6 @@ def profile_activities(value: Any, from_env: bool) -> tuple[str, ...]:
     return names
 
 
-def memory_snapshot(value: Any, from_env: bool) -> str:
-    if not isinstance(value, str) or value.strip().lower() not in MEMORY_SNAPSHOT:
-        raise ValueError(value)
-    return value.strip().lower()
-
-
 class Schedule:
     """Which steps the scheduled windows of ``profile_steps`` cover.
 
