@@ -22,6 +22,7 @@ from otel_train.analysis.reading.discovery import find_process_files
 from otel_train.analysis.reading.whole import Reader
 from otel_train.analysis.spans import read_process
 from otel_train.analysis.summary import summarize
+from tests import titan_env
 
 T0 = 1_767_268_800_000_000  # 2026-01-01T12:00:00Z in µs
 
@@ -245,27 +246,32 @@ for args in (["summarize", run], ["summarize", "--fast", run], ["stats", run], [
     assert json.loads((tmp_path / "out.json").read_text())["resourceSpans"]
 
 
-def test_their_own_logger_writes_files_we_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    sl = pytest.importorskip("torchtitan.observability.structured_logger",
-                             reason="torchtitan is not installed: the files of TitanWriter stand in for it")
-    monkeypatch.delenv("TITAN_STRUCT_LOGGER_HANDLERS", raising=False)
-    monkeypatch.setattr(sl.structured_logging, "_is_initialized", False, raising=False)
-    logger = logging.getLogger("torchtitan.structured_logger")
-    before = list(logger.handlers)
+_THEIR_LOGGER = """
+import logging, os, sys
+import torchtitan.observability.structured_logger as sl
+sl.init_structured_logger(source="training", output_dir=os.environ["DUMP"], rank=0)
+sl.set_step(1)
+with sl.log_trace_span("step"):
+    with sl.log_trace_span("fwd_bwd"):
+        pass
+    sl.log_trace_scalar({"loss": 1.5})
     try:
-        sl.init_structured_logger(source="training", output_dir=str(tmp_path), rank=0)
-        sl.set_step(1)
-        with sl.log_trace_span("step"):
-            with sl.log_trace_span("fwd_bwd"):
-                pass
-            sl.log_trace_scalar({"loss": 1.5})
-            with pytest.raises(RuntimeError), sl.log_trace_span("optim"):
-                raise RuntimeError("boom")
-    finally:
-        for h in logger.handlers:
-            if h not in before:
-                h.close()
-                logger.removeHandler(h)
+        with sl.log_trace_span("optim"):
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    else:
+        sys.exit("log_trace_span swallowed the error")
+logging.shutdown()
+"""
+
+
+def test_their_own_logger_writes_files_we_read(tmp_path: Path) -> None:
+    titan = titan_env.python()
+    if titan is None:
+        pytest.skip(titan_env.MISSING)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_TRAIN_", "TITAN_"))}
+    subprocess.run([str(titan), "-c", _THEIR_LOGGER], env=env | {"DUMP": str(tmp_path)}, check=True, timeout=120)
     s = _summary(tmp_path)
     assert s["processes"][0]["format"] == "torchtitan"
     assert {p["name"]: p["count"] for p in s["phases"]} == {"step": 1, "fwd_bwd": 1, "optim": 1}

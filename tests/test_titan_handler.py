@@ -23,6 +23,7 @@ from otel_train.analysis.spans import read_process
 from otel_train.analysis.reading.discovery import find_process_files
 from otel_train.analysis.reading.whole import Reader
 from otel_train.titan import register_handler
+from tests import titan_env
 
 
 def _extra(kind: str, *, step: int | None = None, value: float | None = None, event_name: str | None = None,
@@ -126,13 +127,14 @@ dist.destroy_process_group()
 
 
 def test_torchtitans_logger_with_both_factories_records_the_collectives(tmp_path: Path) -> None:
-    pytest.importorskip("torchtitan.observability.structured_logger",
-                        reason="torchtitan is not installed (pip install torchtitan torch==2.13.0)")
+    titan = titan_env.python()
+    if titan is None:
+        pytest.skip(titan_env.MISSING)
     env = {**os.environ, "DUMP": str(tmp_path), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000),
            "TITAN_STRUCT_LOGGER_HANDLERS": "torchtitan.observability.structured_logger.jsonl_handler."
                                            "register_jsonl_handler,otel_train.titan.register_handler"}
     env.pop("OTEL_TRAIN_SAVE_PATH", None)
-    subprocess.run([sys.executable, "-c", textwrap.dedent(_REAL)], env=env, check=True, timeout=120)
+    subprocess.run([str(titan), "-c", textwrap.dedent(_REAL)], env=env, check=True, timeout=120)
     states = {s.format: s for s in _states(tmp_path)}
     assert set(states) == {"otel-train", "torchtitan"}
     ours = states["otel-train"]

@@ -10,19 +10,21 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torchtitan.observability.structured_logger", reason="torchtitan is not installed (pip install torchtitan torch==2.13.0)")
+from tests import titan_env  # noqa: E402
+
+if titan_env.python() is None:
+    pytest.skip(titan_env.MISSING, allow_module_level=True)
 
 from otel_train.analysis.spans import use_run  # noqa: E402
 from otel_train.analysis.summary import summarize  # noqa: E402
 
 WRAPPER = Path(__file__).with_name("titan_trainer.py")
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+TORCHRUN = titan_env.torchrun()
 BOTH = ("torchtitan.observability.structured_logger.jsonl_handler.register_jsonl_handler,"
         "otel_train.titan.register_handler")
 LIMIT_S = 240.0
@@ -31,7 +33,7 @@ LIMIT_S = 240.0
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("titan")
-    subprocess.run([sys.executable, str(WRAPPER), "--make-assets", str(root)], check=True, timeout=120)
+    subprocess.run([str(titan_env.python()), str(WRAPPER), "--make-assets", str(root)], check=True, timeout=120)
     return root
 
 
