@@ -9,7 +9,7 @@ of the processes followed, asked again at most every :data:`CLOCK_EVERY_S`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from otel_train.analysis.comm import CommGraph, CommOp, Group, feed_process, run_clock
 from otel_train.analysis.live.members import GroupKey, ProcessKey
@@ -54,15 +54,14 @@ class LiveGraphs:
                 _add_dumps(graph, *self._dumps)
             self._rows[key] = feed_process(graph, state, self._rows.get(key, 0))
 
-    def prune(self, states: Iterable[ProcessState]) -> None:
+    def prune(self, states: Callable[[], Iterable[ProcessState]]) -> None:
         """Every :data:`PRUNE_EVERY_OPS` new ops of a graph, drop what is done before the last
         :data:`RECENT_STEPS` steps of its slowest process (kept: the steps the straggler rule looks at,
         and all that is open)."""
-        states = list(states)
         for (source, attempt), graph in self.graphs.items():
             if graph.ops - self._pruned.get((source, attempt), 0) >= PRUNE_EVERY_OPS:
                 self._pruned[(source, attempt)] = graph.ops
-                steps = [s.final_step for s in states
+                steps = [s.final_step for s in states()
                          if (s.source, s.attempt) == (source, attempt) and s.final_step is not None]
                 if steps:
                     graph.prune(min(steps) - RECENT_STEPS - 1)
@@ -91,12 +90,14 @@ class LiveClock:
         self._ops = -1
         self._next = 0.0
 
-    def update(self, graphs: dict[GroupKey, CommGraph], states: list[ProcessState], now: float) -> None:
-        """Estimated again when new ops came, at most every :data:`CLOCK_EVERY_S`."""
+    def update(self, graphs: dict[GroupKey, CommGraph], states: Callable[[], Iterable[ProcessState]],
+               now: float) -> None:
+        """Estimated again when new ops came, at most every :data:`CLOCK_EVERY_S` (``states``: the
+        processes followed, asked only then)."""
         ops = sum(g.ops for g in graphs.values())
         if ops == self._ops or now < self._next or not graphs:
             return
         self._ops, self._next = ops, now + CLOCK_EVERY_S
-        clock = run_clock(Run(states, align=self.align), graphs)
+        clock = run_clock(Run(list(states()), align=self.align), graphs)
         for graph in graphs.values():
             graph.clock = clock

@@ -89,6 +89,9 @@ class LiveRun:
         """Lines skipped so far."""
         return self.tail.malformed_lines
 
+    def _states(self) -> list[ProcessState]:
+        return [lp.state for lp in self.procs.values()]
+
     # -- reading -------------------------------------------------------------------------------
 
     def poll(self) -> list[Event]:
@@ -106,7 +109,7 @@ class LiveRun:
             if records:
                 self.procs[pf.key].mark_read(now, raw=not self.align)
         self._dirty |= self._update_comm({pf.key for pf, _ in batches}, now)
-        self._clock.update(self.graphs, [lp.state for lp in self.procs.values()], now)
+        self._clock.update(self.graphs, self._states, now)
         for lp in self.procs.values():
             self._dirty |= lp.look(self.probe, now)
         return self._evaluate(now)
@@ -130,7 +133,7 @@ class LiveRun:
         dumps that changed; returns whether a desync appeared or dumps brought ops (findings must be asked)."""
         desyncs = self._graphs.desyncs()
         self._graphs.feed({key: self.procs[key].state for key in keys})
-        self._graphs.prune(lp.state for lp in self.procs.values())
+        self._graphs.prune(self._states)
         dumps = self._dumps.poll(now)
         if dumps is not None:
             self._graphs.add_dumps(*dumps)
@@ -151,7 +154,7 @@ class LiveRun:
         if self._dirty:
             self._dirty = False
             alive = {lp.state for lp in self.procs.values() if not lp.dead}
-            run = Run([lp.state for lp in self.procs.values()])
+            run = Run(self._states())
             if self._graphs.empty and self.procs:  # graphs dropped (attempts renumbered): made again
                 self._update_comm(set(self.procs), now)
             found = findings(run, alive=alive, running=running, stragglers=False, graphs=self.graphs)
@@ -159,7 +162,7 @@ class LiveRun:
         if not self._stragglers.busy:
             due = self._stragglers.due(groups, now)
             if due:
-                order = Run([lp.state for lp in self.procs.values()]).phase_order()
+                order = Run(self._states()).phase_order()
                 self._stragglers.ask(groups, due, self.graphs, order)
         events += self._straggler_results(groups, running, now)
         if self._found.ask_again:  # a finding held back: asked again at the next poll
