@@ -48,7 +48,6 @@ class LiveRun:
                  clock: Callable[[], float] = time.time, fr: str | Path | None = None,
                  read_fr: ReadDumps | None = None, align: bool = True) -> None:
         self.tail = Tail(Path(path), BadLines(warn))
-        self.align = align
         self.probe = probe if probe is not None else HostProbe()
         self.clock = clock
         # Watch's own monotonic time, for how long since it read a process (an injected clock is its own).
@@ -73,6 +72,11 @@ class LiveRun:
     def raised(self) -> list[dict[str, Any]]:
         """Every finding raised, in order."""
         return self._found.raised
+
+    @property
+    def align(self) -> bool:
+        """Whether hosts are compared on the estimated reference clock (False: raw clocks)."""
+        return self._clock.align
 
     @property
     def stacks(self) -> bool:
