@@ -23,7 +23,7 @@ class WatchedProcess:
     """One process instance being followed: its span-model state and what only a live reader knows."""
 
     __slots__ = ("state", "settings", "restarts_left", "progress_ts", "local", "dead", "silent", "gone_at",
-                 "_limits", "_clock", "_child_ends", "own")
+                 "_limits", "_clock", "_child_ends", "own", "clock")
 
     def __init__(self, state: ProcessState, local: bool,
                  elapsed: Callable[[float], float] = lambda now: time.monotonic()) -> None:
@@ -37,6 +37,8 @@ class WatchedProcess:
         self.gone_at: float | None = None  # when it ended or died (watch's clock)
         self._limits = StallLimits()  # by span name
         self._clock = ProcessClock(elapsed)
+        # Now on this process's own clock (docs/watch.md, "Clocks"): clock(watch's now) -> its time.
+        self.clock: Callable[[float], float] = self._clock.now
         self._child_ends: dict[str, float] = {}  # open span id -> the latest end of a span it parents
 
     @property
@@ -52,10 +54,6 @@ class WatchedProcess:
         """After a read that brought records: where its clock stood then (:meth:`clock`); ``raw``
         (``--no-align``): watch's clock as it is, a writer ahead of it in its future."""
         self._clock.mark_read(now, self.own.latest, raw)  # its newest record not from the future
-
-    def clock(self, now: float) -> float:
-        """Now on this process's own clock (docs/watch.md, "Clocks"; :class:`ProcessClock`)."""
-        return self._clock.now(now)
 
     @property
     def finished(self) -> bool:
