@@ -158,14 +158,14 @@ def test_watch_json_lines_carry_comm(tmp_path: Path) -> None:
 
 
 def test_live_graph_keeps_only_what_it_needs(tmp_path: Path, monkeypatch) -> None:
-    import otel_train.analysis.live as live_mod
+    import otel_train.analysis.live.graphs as graphs_mod
 
-    monkeypatch.setattr(live_mod, "PRUNE_EVERY_OPS", 100)
+    monkeypatch.setattr(graphs_mod, "PRUNE_EVERY_OPS", 100)
     procs = _dp(2, steps=200)
     g = Growing(tmp_path, procs)
     assert g.poll_at(0.1) == []
     graph = g.live.graphs[("training", 0)]
-    assert len(graph.collectives) <= live_mod.RECENT_STEPS + 60  # of 200: old completed ones dropped
+    assert len(graph.collectives) <= graphs_mod.RECENT_STEPS + 60  # of 200: old completed ones dropped
     assert graph.last_seq[(0, "0")] == 199
     _hang_at(procs, 200, culprit=1, seq=200)
     events = g.poll_at(4.5)

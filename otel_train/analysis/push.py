@@ -120,7 +120,7 @@ def replay(
     return stats
 
 
-class LiveProcess:
+class FollowedProcess:
     """One process of a live run: record batches in, SDK spans out as they end (the span model pairs them).
 
     Instants wait with their open span and become its events when it ends; those whose span is not
@@ -183,7 +183,7 @@ def follow(
     stop = stop if stop is not None else threading.Event()
     tail = Tail(Path(path), BadLines(warn or warn_to_stderr))
     base = base_resource(service_name)
-    live: dict[tuple[str, int, str], LiveProcess] = {}
+    live: dict[tuple[str, int, str], FollowedProcess] = {}
     batcher = Batcher(destination, batch_spans, stats, on_spans)
     last_activity = time.monotonic()
     while True:
@@ -191,7 +191,7 @@ def follow(
         for pf, records in polled:
             proc = live.get(pf.key)
             if proc is None:
-                proc = live[pf.key] = LiveProcess(pf, base, stats)
+                proc = live[pf.key] = FollowedProcess(pf, base, stats)
                 stats.processes += 1
             batcher.add(proc.feed(records))
         batcher.flush()

@@ -1,16 +1,19 @@
-"""A live process's own time: which of its records ``watch`` trusts as progress (docs/watch.md, "Clocks").
+"""A live process's own time: which of its records ``watch`` trusts as progress, and where its clock
+stands now (docs/watch.md, "Clocks").
 
 A record's ``ts`` is its writer's word. One stamped far ahead (a clock that read wrong once, a line
-from elsewhere) used to be the newest end time for good: progress "an hour from now" hid every hang
-until then. So a process is judged on its own recent records: where it stands is the median time of
+from elsewhere) would otherwise be the newest end time for good: progress "an hour from now" would
+hide every hang until then. So a process is judged on its own recent records: where it stands is the median time of
 its last :data:`RECENT` records in file order (one odd record cannot move it), and a record more
 than :data:`FUTURE_S` past that is *from the future*: reported once per process, and taken neither
-as progress, nor as the end of a child span, nor as where the process's clock stands.
+as progress, nor as the end of a child span, nor as where the process's clock stands
+(:class:`ProcessClock`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from statistics import median
 from typing import Any
 
@@ -66,3 +69,29 @@ class OwnTime:
     def trusted(self, ts: float) -> bool:
         """Whether a record of time ``ts`` is not from the future."""
         return ts <= self.limit
+
+
+class ProcessClock:
+    """Now on a process's own clock: where it stood at the latest read (watch's clock less its host's
+    ``skew``, but never before its newest record: a writer's clock ahead of watch's is not in watch's
+    future) plus watch's monotonic time since, so a step of either wall clock moves no threshold."""
+
+    __slots__ = ("skew", "_elapsed", "_read")
+
+    def __init__(self, elapsed: Callable[[float], float]) -> None:
+        self.skew = 0.0  # watch's clock minus its host's clock, when that host's is off (docs/clock.md)
+        self._elapsed = elapsed  # watch's monotonic time (a test's clock: that clock)
+        self._read: tuple[float, float] | None = None  # (its clock, watch's elapsed time) at the latest read
+
+    def mark_read(self, now: float, latest: float | None, raw: bool = False) -> None:
+        """After a read that brought records whose newest trusted time is ``latest``; ``raw``
+        (``--no-align``): watch's clock as it is, a writer ahead of it in its future."""
+        if latest is not None:
+            self._read = (now - self.skew if raw else max(latest, now - self.skew), self._elapsed(now))
+
+    def now(self, now: float) -> float:
+        """Watch's clock reading ``now``, on this process's clock."""
+        if self._read is None:
+            return now - self.skew
+        at, then = self._read
+        return at + (self._elapsed(now) - then)
