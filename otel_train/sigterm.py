@@ -23,7 +23,7 @@ pipe; a handler writes a byte into it (a write takes no lock) and the thread shu
   the default it dies of SIGTERM itself. A previous Python handler stays due, and runs once the main
   thread comes back.
 - Off the main thread no Python handler can be installed: ``faulthandler``'s C handler writes into the
-  pipe instead (``otel_train.runtime._watch_sigterm``), and the thread itself then dies of SIGTERM.
+  pipe instead (``otel_train.runtime.signals.watch_off_main``), and the thread itself then dies of SIGTERM.
 
 One thread per process, for its life; a fork child closes its copy of the pipes (:meth:`ShutdownThread.close`).
 """
