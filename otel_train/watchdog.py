@@ -38,7 +38,7 @@ import time
 from types import FrameType
 from typing import Any, Protocol
 
-from otel_train import _clock, _report, sketch
+from otel_train import record_clock, _report, sketch
 from otel_train._threads import start_quiet
 from otel_train.digest import DigestWriter
 from otel_train import schema as S
@@ -212,7 +212,7 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._seen_seq = -1
         self._quiet_since = time.monotonic()
-        self._wall_offset = _clock.wall_offset_ns()  # the wall clock against the records' at the last look
+        self._wall_offset = record_clock.wall_offset_ns()  # the wall clock against the records' at the last look
         self._stalls: dict[int, _Stall] = {}
         self._child_ends: dict[int, int] = {}  # open span id -> the latest end (ns) of a span it parents, or 0
         # Called with the span's name after each stall record (the comm recorder dumps Flight Recorder).
@@ -261,7 +261,7 @@ class Watchdog:
                 self.on_look(ended)
             except Exception as exc:  # noqa: BLE001 - the stall check below still runs
                 _report.report_exception("watchdog look callback", exc)
-        self._check_stalls(open_spans, ended, _clock.now_ns())
+        self._check_stalls(open_spans, ended, record_clock.now_ns())
         self._check_quiet(open_spans, time.monotonic())
 
     def _drain(self) -> list[Any]:
@@ -272,12 +272,12 @@ class Watchdog:
     def _check_clock(self) -> None:
         """A ``clock_step`` instant when the wall clock moved away from the records' clock (docs/clock.md):
         by how much (``step_s``, since the last look; ``offset_s``, since the anchor), and the anchor."""
-        offset = _clock.wall_offset_ns()
+        offset = record_clock.wall_offset_ns()
         step, self._wall_offset = offset - self._wall_offset, offset
-        if abs(step) <= _clock.STEP_NS:
+        if abs(step) <= record_clock.STEP_NS:
             return  # a slewing NTP moves the wall clock 0.5 ms a second at most: never this much between looks
         self._sink.instant_for(S.INSTANT_CLOCK_STEP, {
-            "step_s": round(step / 1e9, 3), "offset_s": round(offset / 1e9, 3), "clock": _clock.anchor()})
+            "step_s": round(step / 1e9, 3), "offset_s": round(offset / 1e9, 3), "clock": record_clock.anchor()})
 
     def _innermost_since(self, open_spans: list[tuple[int, str, int, int]],
                          innermost: dict[int, tuple[int, str, int, int]], ended: list[Any]) -> dict[int, int]:

@@ -69,7 +69,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     ``dropped`` counts spans lost to a full queue, a failed export, or abandonment at shutdown;
     ``exported`` counts spans the exporter acknowledged with a success status (a redirect is a failed
-    export: see ``wiring.RedirectRefusal``) and the collector did not reject in that answer (OTLP
+    export: see ``wiring.CollectorRedirectRefusal``) and the collector did not reject in that answer (OTLP
     ``partial_success``: rejected spans are dropped, see ``otel_train._otlp_partial``). Spans a
     ``sampler`` rejects are neither.
     Export failures are reported once per exporter (``otel_train._report``); later ones are only counted.
@@ -288,7 +288,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         )
 
     def _report_failure(self, count: int) -> None:
-        # Why, when the exporter can say (otel_train.exporters.otlp.wiring.RedirectRefusal): a redirect.
+        # Why, when the exporter can say (otel_train.exporters.otlp.wiring.CollectorRedirectRefusal): a redirect.
         explain = getattr(self.exporter, "_otel_train_explain", None)
         why = explain() if callable(explain) else None
         _report.report(

@@ -30,7 +30,7 @@ from typing import Any, Callable
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
 
-from otel_train._clock import from_foreign, now_ns  # the runtime's one clock (docs/clock.md)
+from otel_train.record_clock import from_foreign, now_ns  # the runtime's one clock (docs/clock.md)
 from otel_train import _report
 from otel_train._threads import start_quiet
 from otel_train import context as step_context

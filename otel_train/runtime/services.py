@@ -72,7 +72,7 @@ def start_comm(rt: Runtime) -> None:
 
 
 def start_lifecycle(rt: Runtime) -> None:
-    from otel_train import _clock, lifecycle, logbridge
+    from otel_train import record_clock, lifecycle, logbridge
     from otel_train.telemetry import TelemetrySampler
 
     settings = rt.settings
@@ -80,7 +80,7 @@ def start_lifecycle(rt: Runtime) -> None:
         attrs = lifecycle.process_start_attrs(settings, rt.ctx)
         if rt.comm is not None:
             attrs["comm"] = dict(rt.comm.status)
-        attrs["clock"] = _clock.anchor()  # the records' clock (docs/clock.md): which wall time it started from
+        attrs["clock"] = record_clock.anchor()  # the records' clock (docs/clock.md): which wall time it started from
         rt.jsonl.instant(S.INSTANT_PROCESS_START, attrs)
     rt.undo.append(lifecycle.install_exception_hooks())
     if settings.log_bridge:

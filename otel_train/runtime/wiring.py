@@ -2,7 +2,7 @@
 
 Flow: user call (``otel_train.api``) → SDK span → processors (JSONL first, then training-context
 attributes, then OTLP/console/custom) → sinks. A JSONL-only run takes the lean path
-(``otel_train.spans.LeanTracer``) and builds no SDK provider. Everything here raises ``ConfigError``
+(``otel_train.tracers.LeanTracer``) and builds no SDK provider. Everything here raises ``ConfigError``
 or nothing.
 """
 
@@ -35,7 +35,7 @@ from otel_train.redact import Redactor
 from otel_train.resource import RunContext, build_resource
 from otel_train.runtime.ids import StepTraceIdGenerator, step_span_starter
 from otel_train.runtime.state import Runtime
-from otel_train.spans import CleanTracer, LeanTracer
+from otel_train.tracers import CleanTracer, LeanTracer
 
 
 class TrainingContextProcessor(SpanProcessor):
@@ -104,7 +104,7 @@ def build(rt: Runtime) -> None:
             provider.add_span_processor(processor)
         tracer: trace.Tracer = CleanTracer(provider.get_tracer("otel_train", __version__))
     else:
-        # Nothing but the JSONL sink will see these spans: take the lean path (see otel_train.spans).
+        # Nothing but the JSONL sink will see these spans: take the lean path (see otel_train.tracers).
         tracer = LeanTracer(rt.jsonl, id_generator)
     start_step = None
     if settings.trace_per_step and ctx.run_id_known:
