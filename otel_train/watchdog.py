@@ -39,7 +39,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 from otel_train import record_clock, _report, sketch
-from otel_train._threads import start_quiet
+from otel_train._threads import Worker
 from otel_train.digest import DigestWriter
 from otel_train import schema as S
 from otel_train.stall import MAX_STALLS_PER_SPAN, stall_threshold
@@ -208,8 +208,7 @@ class Watchdog:
         self._stall_factor = stall_factor
         periods = [p / 4 for p in (heartbeat_s, stall_min_s) if p > 0]
         self.tick_s = max(0.05, min([MAX_TICK_S, *periods]))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("otel-train-watchdog", self._run)
         self._seen_seq = -1
         self._quiet_since = time.monotonic()
         self._wall_offset = record_clock.wall_offset_ns()  # the wall clock against the records' at the last look
@@ -222,8 +221,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         """Start the daemon thread (once)."""
-        if self._thread is None:
-            self._thread = start_quiet(threading.Thread(target=self._run, name="otel-train-watchdog", daemon=True))
+        self._worker.start()
         return self
 
     def final_digest(self) -> None:
@@ -234,13 +232,10 @@ class Watchdog:
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """Stop the thread; waits at most ``timeout_s`` for a look in progress to finish."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(max(0.0, timeout_s))
+        self._worker.stop(timeout_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        while not self._worker.sleep(self.tick_s):
             try:
                 self.check()
             except Exception as exc:  # the watchdog keeps looking; training never hears of it
