@@ -57,7 +57,7 @@ class Worker:
     """One of the runtime's threads: a daemon named ``name`` that runs ``loop`` (no arguments).
 
     - :meth:`start` starts it unless this worker holds one already (a loop that ends by itself and may be
-      started again calls :meth:`done` first), with :data:`QUIET` blocked (``quiet=False``: the starting
+      started again calls :meth:`done` as it leaves), with :data:`QUIET` blocked (``quiet=False``: the starting
       thread's mask, for a thread that runs third-party code as the SDK's own worker would);
     - :meth:`stop` sets :attr:`stopping`, waits at most ``timeout_s`` for the thread (never for itself),
       then runs ``drain`` with the same ``timeout_s`` on the caller's thread: what the loop left;
@@ -78,16 +78,20 @@ class Worker:
         """Start the thread unless one is held; whether this call started one."""
         if self.thread is not None:
             return False
-        thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-        if self._quiet:
-            start_quiet(thread)
-        else:
-            thread.start()
-        self.thread = thread
+        self.thread = thread = threading.Thread(target=self._loop, name=self.name, daemon=True)  # before a done()
+        try:
+            if self._quiet:
+                start_quiet(thread)
+            else:
+                thread.start()
+        except BaseException:
+            self.thread = None
+            raise
         return True
 
     def done(self) -> None:
-        """From the loop, as it ends by itself (under its owner's lock): the next :meth:`start` starts anew."""
+        """From the loop, as it ends by itself: the next :meth:`start` starts a new thread. An owner that may
+        call :meth:`start` meanwhile calls both under one lock of its own (the file check ticker)."""
         self.thread = None
 
     def sleep(self, seconds: float) -> bool:
