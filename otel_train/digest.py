@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from otel_train import _modes, _report
-from otel_train._clock import now_ns
+from otel_train.record_clock import now_ns
 from otel_train import schema as S
 from otel_train.exporters.jsonl.processor import JsonlSpanProcessor
 from otel_train.sketch import GAMMA

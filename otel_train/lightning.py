@@ -26,8 +26,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from otel_train import _phases, phases, runtime
-from otel_train._phases import HeldSpan
+from otel_train import integration_spans, phases, runtime
+from otel_train.integration_spans import HeldSpan
 from otel_train.phases import HOOK_SPAN
 
 __all__ = ["TraceCallback"]
@@ -68,7 +68,7 @@ class _Action:
         self.span_attrs: dict[str, Any] | None = None
 
 
-class _Tracer:
+class _ActionTracer:
     """Turns the trainer's profiler actions into spans; holds the open ones, innermost last."""
 
     def __init__(self, trainer: pl.Trainer, own: pl.Callback, trace_hooks: bool) -> None:
@@ -83,7 +83,7 @@ class _Tracer:
         self._eval: HeldSpan | None = None
         # (action, span, the exception being handled when it started: not this action's failure)
         self._action_spans: list[tuple[str, HeldSpan, BaseException | None]] = []
-        self.guarded = _phases.FirstFailureGuard("lightning")
+        self.guarded = integration_spans.FirstFailureGuard("lightning")
 
     # -- classification -------------------------------------------------------------------------
 
@@ -189,7 +189,7 @@ class _TraceProfiler:
     """Stands in for ``trainer.profiler``: forwards every call to the user's profiler and every
     ``start``/``stop`` to the tracer too (ours outermost, so both see strictly nested actions)."""
 
-    def __init__(self, inner: Any, tracer: _Tracer) -> None:
+    def __init__(self, inner: Any, tracer: _ActionTracer) -> None:
         self.inner = inner
         self.tracer = tracer
 
@@ -224,7 +224,7 @@ class TraceCallback(pl.Callback):
     Does nothing while tracing is off (``ot.init`` not called or disabled)."""
 
     def __init__(self) -> None:
-        self._tracer: _Tracer | None = None
+        self._tracer: _ActionTracer | None = None
         self._profiler: _TraceProfiler | None = None
         self._stats_every = 0
 
@@ -233,7 +233,7 @@ class TraceCallback(pl.Callback):
         if settings is None or self._profiler is not None:
             return
         self._stats_every = settings.batch_stats_every
-        self._tracer = _Tracer(trainer, self, settings.trace_hooks)
+        self._tracer = _ActionTracer(trainer, self, settings.trace_hooks)
         self._profiler = _TraceProfiler(trainer.profiler, self._tracer)
         trainer.profiler = self._profiler
 
@@ -249,7 +249,7 @@ class TraceCallback(pl.Callback):
                              batch_idx: int) -> None:
         every = self._stats_every
         if self._tracer is not None and every and trainer.global_step % every == 0:
-            self._tracer.guarded(_phases.log_batch_stats, batch)
+            self._tracer.guarded(integration_spans.log_batch_stats, batch)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # An unsized loader's final fetch finds no batch: end the step it opened.

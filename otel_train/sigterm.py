@@ -23,7 +23,7 @@ pipe; a handler writes a byte into it (a write takes no lock) and the thread shu
   the default it dies of SIGTERM itself. A previous Python handler stays due, and runs once the main
   thread comes back.
 - Off the main thread no Python handler can be installed: ``faulthandler``'s C handler writes into the
-  pipe instead (``otel_train.runtime._watch_sigterm``), and the thread itself then dies of SIGTERM.
+  pipe instead (``otel_train.runtime.signals.watch_off_main``), and the thread itself then dies of SIGTERM.
 
 One thread per process, for its life; a fork child closes its copy of the pipes (:meth:`ShutdownThread.close`).
 """
@@ -38,7 +38,7 @@ import time
 from typing import Any, Callable
 
 from otel_train import _report
-from otel_train._threads import start_quiet
+from otel_train._threads import Worker
 
 RETRY_S = 0.005
 """How often a SIGTERM is sent to the main thread again until its handler has run."""
@@ -77,8 +77,8 @@ class ShutdownThread:
         self.closed = False
 
     def start(self) -> None:
-        # Started with SIGTERM blocked (start_quiet): the signal never lands on the thread that answers it.
-        start_quiet(threading.Thread(target=self._run, name="otel_train.sigterm", daemon=True))
+        # Started with SIGTERM blocked (a quiet Worker): the signal never lands on the thread that answers it.
+        Worker("otel_train.sigterm", self._run).start()
 
     def wake(self, what: bytes = _SHUT_DOWN) -> None:
         try:
@@ -264,7 +264,7 @@ class StuckMainWatch:
         self.closed = False
 
     def start(self) -> None:
-        start_quiet(threading.Thread(target=self._run, name="otel_train.sigterm-watch", daemon=True))
+        Worker("otel_train.sigterm-watch", self._run).start()
 
     def close(self) -> None:
         """In a fork child, where the thread does not exist (faulthandler is unregistered first)."""

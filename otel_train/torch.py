@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 import otel_train as ot
-from otel_train import _phases, _report, context, phases, runtime
+from otel_train import integration_spans, _report, context, phases, runtime
 
 __all__ = ["Handle", "TracedIterable", "backward", "batch_to_device", "instrument", "instrument_pipeline", "traced"]
 
@@ -47,7 +47,7 @@ class _TracedIterator:
         return self
 
     def __next__(self) -> Any:
-        span = _phases.HeldSpan(phases.DATA_FETCH)
+        span = integration_spans.HeldSpan(phases.DATA_FETCH)
         try:
             batch = next(self._it)
         except StopIteration:
@@ -63,7 +63,7 @@ class _TracedIterator:
             index = self._fetches if step is None else step
             self._fetches += 1
             if index % self._every == 0:
-                _phases.log_batch_stats(batch)
+                integration_spans.log_batch_stats(batch)
         return batch
 
     def __len__(self) -> int:
@@ -173,7 +173,7 @@ def instrument(model: Any = None, optimizer: torch.optim.Optimizer | None = None
     if model is not None and _is_pipeline(model):
         hooks.extend(instrument_pipeline()._hooks)
     elif model is not None:
-        hooks.append(_phases.ForwardSpans(model))
+        hooks.append(integration_spans.ForwardSpans(model))
         ddp = _ddp_of(model) if _recording_comm() else None
         if ddp is not None:
             from otel_train.comm import ddp as ddp_hook
@@ -183,7 +183,7 @@ def instrument(model: Any = None, optimizer: torch.optim.Optimizer | None = None
             except Exception as exc:  # noqa: BLE001 - DDP then runs as it would without us
                 _report.report_exception("installing the DDP comm hook (bucket all-reduces may be missing)", exc)
     if optimizer is not None:
-        hooks.append(_phases.OptimizerSpans(optimizer))
+        hooks.append(integration_spans.OptimizerSpans(optimizer))
     return Handle(hooks)
 
 

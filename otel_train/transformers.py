@@ -28,15 +28,15 @@ import torch
 import transformers
 
 import otel_train as ot
-from otel_train import _phases, phases, runtime
-from otel_train._phases import HeldSpan
+from otel_train import integration_spans, phases, runtime
+from otel_train.integration_spans import HeldSpan
 from otel_train.phases import HOOK_SPAN
 
-__all__ = ["TraceCallback", "instrument"]
+__all__ = ["TraceCallback", "TransformersTraceCallback", "instrument"]
 _EVENTS = tuple(name for name in vars(transformers.TrainerCallback) if name.startswith("on_"))
 
 
-class TraceCallback(transformers.TrainerCallback):
+class TransformersTraceCallback(transformers.TrainerCallback):
     """Traces a ``transformers.Trainer``: per optimizer step a ``step`` span
     (``set_step(state.global_step, epoch=int(state.epoch))``) holding ``forward`` and ``backward``
     for each micro-batch and one ``optimizer``; ``eval`` around evaluation and ``checkpoint``
@@ -49,13 +49,13 @@ class TraceCallback(transformers.TrainerCallback):
         self._stats_every = 0
         self._stats_step: int | None = None
         self._handles: list[Any] = []
-        self._forward: _phases.ForwardSpans | None = None
+        self._forward: integration_spans.ForwardSpans | None = None
         self._step: HeldSpan | None = None
         self._phase: HeldSpan | None = None  # the open backward or optimizer span
         self._phase_name: str | None = None
         self._between: HeldSpan | None = None  # the open eval or checkpoint span
         self._between_name: str | None = None
-        self._guarded = _phases.FirstFailureGuard("transformers")
+        self._guarded = integration_spans.FirstFailureGuard("transformers")
 
     # -- Trainer events -----------------------------------------------------------------------
 
@@ -67,7 +67,7 @@ class TraceCallback(transformers.TrainerCallback):
         self._stats_every = settings.batch_stats_every
         # Ours first: batch stats belong before the first forward span of the step.
         self._handles.append(model.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True))
-        self._forward = _phases.ForwardSpans(model)
+        self._forward = integration_spans.ForwardSpans(model)
         # Ours after ForwardSpans' post-hook, which has just ended the forward span.
         self._handles.append(model.register_forward_hook(self._post_forward))
 
@@ -120,7 +120,7 @@ class TraceCallback(transformers.TrainerCallback):
     # -- model hooks --------------------------------------------------------------------------
 
     def _pre_forward(self, module: Any, args: Any, kwargs: Any) -> None:
-        if _phases.is_compiling():
+        if integration_spans.is_compiling():
             return
         if not module.training:
             return
@@ -128,10 +128,10 @@ class TraceCallback(transformers.TrainerCallback):
         step = self._stats_step
         if every and self._step is not None and step is not None and step % every == 0:
             self._stats_step = None  # once per step: the first micro-batch
-            self._guarded(_phases.log_batch_stats, kwargs or args)
+            self._guarded(integration_spans.log_batch_stats, kwargs or args)
 
     def _post_forward(self, module: Any, args: Any, output: Any) -> None:
-        if _phases.is_compiling() or not module.training or self._step is None:
+        if integration_spans.is_compiling() or not module.training or self._step is None:
             return
         if torch.is_grad_enabled():
             self._guarded(self._start_phase, phases.BACKWARD)
@@ -180,11 +180,15 @@ class TraceCallback(transformers.TrainerCallback):
 
 
 
-def instrument(trainer: transformers.Trainer) -> TraceCallback:
-    """Add a :class:`TraceCallback` to ``trainer``; with ``trace_hooks`` on, also wrap every event
+TraceCallback = TransformersTraceCallback
+"""The name README.md and docs/integrations-frameworks.md use (``otel_train.transformers.TraceCallback``)."""
+
+
+def instrument(trainer: transformers.Trainer) -> TransformersTraceCallback:
+    """Add a :class:`TransformersTraceCallback` to ``trainer``; with ``trace_hooks`` on, also wrap every event
     each of the trainer's other callbacks implements in a ``hooks.callback`` span (attributes
     ``callback``, ``hook``). The wrapping replaces those bound methods on the callback instances."""
-    callback = TraceCallback()
+    callback = TransformersTraceCallback()
     trainer.add_callback(callback)
     settings = runtime.current_settings()
     if settings is not None and settings.trace_hooks:

@@ -38,8 +38,8 @@ import time
 from types import FrameType
 from typing import Any, Protocol
 
-from otel_train import _clock, _report, sketch
-from otel_train._threads import start_quiet
+from otel_train import record_clock, _report, sketch
+from otel_train._threads import Worker
 from otel_train.digest import DigestWriter
 from otel_train import schema as S
 from otel_train.stall import MAX_STALLS_PER_SPAN, stall_threshold
@@ -208,11 +208,10 @@ class Watchdog:
         self._stall_factor = stall_factor
         periods = [p / 4 for p in (heartbeat_s, stall_min_s) if p > 0]
         self.tick_s = max(0.05, min([MAX_TICK_S, *periods]))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("otel-train-watchdog", self._run)
         self._seen_seq = -1
         self._quiet_since = time.monotonic()
-        self._wall_offset = _clock.wall_offset_ns()  # the wall clock against the records' at the last look
+        self._wall_offset = record_clock.wall_offset_ns()  # the wall clock against the records' at the last look
         self._stalls: dict[int, _Stall] = {}
         self._child_ends: dict[int, int] = {}  # open span id -> the latest end (ns) of a span it parents, or 0
         # Called with the span's name after each stall record (the comm recorder dumps Flight Recorder).
@@ -222,8 +221,7 @@ class Watchdog:
 
     def start(self) -> Watchdog:
         """Start the daemon thread (once)."""
-        if self._thread is None:
-            self._thread = start_quiet(threading.Thread(target=self._run, name="otel-train-watchdog", daemon=True))
+        self._worker.start()
         return self
 
     def final_digest(self) -> None:
@@ -234,13 +232,10 @@ class Watchdog:
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """Stop the thread; waits at most ``timeout_s`` for a look in progress to finish."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(max(0.0, timeout_s))
+        self._worker.stop(timeout_s)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.tick_s):
+        while not self._worker.sleep(self.tick_s):
             try:
                 self.check()
             except Exception as exc:  # the watchdog keeps looking; training never hears of it
@@ -261,7 +256,7 @@ class Watchdog:
                 self.on_look(ended)
             except Exception as exc:  # noqa: BLE001 - the stall check below still runs
                 _report.report_exception("watchdog look callback", exc)
-        self._check_stalls(open_spans, ended, _clock.now_ns())
+        self._check_stalls(open_spans, ended, record_clock.now_ns())
         self._check_quiet(open_spans, time.monotonic())
 
     def _drain(self) -> list[Any]:
@@ -272,12 +267,12 @@ class Watchdog:
     def _check_clock(self) -> None:
         """A ``clock_step`` instant when the wall clock moved away from the records' clock (docs/clock.md):
         by how much (``step_s``, since the last look; ``offset_s``, since the anchor), and the anchor."""
-        offset = _clock.wall_offset_ns()
+        offset = record_clock.wall_offset_ns()
         step, self._wall_offset = offset - self._wall_offset, offset
-        if abs(step) <= _clock.STEP_NS:
+        if abs(step) <= record_clock.STEP_NS:
             return  # a slewing NTP moves the wall clock 0.5 ms a second at most: never this much between looks
         self._sink.instant_for(S.INSTANT_CLOCK_STEP, {
-            "step_s": round(step / 1e9, 3), "offset_s": round(offset / 1e9, 3), "clock": _clock.anchor()})
+            "step_s": round(step / 1e9, 3), "offset_s": round(offset / 1e9, 3), "clock": record_clock.anchor()})
 
     def _innermost_since(self, open_spans: list[tuple[int, str, int, int]],
                          innermost: dict[int, tuple[int, str, int, int]], ended: list[Any]) -> dict[int, int]:

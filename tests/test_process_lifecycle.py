@@ -185,7 +185,7 @@ def test_sigterm_inside_an_export_processor_waits_until_it_is_out(
     may end the process half-way through a ``print`` (CI: the child's stdout was "out" without its newline).
     """
     code = SDK_CHILD + textwrap.dedent("""
-    from otel_train import _clock
+    from otel_train import record_clock
     ot.init(handlers=[Null])
     (batch,) = runtime._active.batch_processors
     with ot.training_step(1):
@@ -193,7 +193,7 @@ def test_sigterm_inside_an_export_processor_waits_until_it_is_out(
             with batch._lock:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.2)  # the handler runs in here, and must leave shutdown for later
-                print("releasing", _clock.now_ns(), "after", 0, flush=True)
+                print("releasing", record_clock.now_ns(), "after", 0, flush=True)
             time.sleep(30)
     """)
     child = spawn(code, traced_env())
@@ -221,7 +221,7 @@ def test_sigterm_while_the_main_thread_holds_a_lock_shutdown_needs_does_not_hang
     waited ``SIGTERM_HANDLER_WAIT_S``, lets the main thread go on and let go of it, and the process then
     dies of SIGTERM with its file whole. The lock is held here by hand, as those calls hold it."""
     code = SDK_CHILD + textwrap.dedent(f"""
-    from otel_train import _clock
+    from otel_train import record_clock
     ot.init(handlers=[Null])
     (batch,) = runtime._active.batch_processors
     batch.max_export_batch_size = 1  # every span queued wakes the export thread (Event.set)
@@ -231,7 +231,7 @@ def test_sigterm_while_the_main_thread_holds_a_lock_shutdown_needs_does_not_hang
                 start = time.monotonic()
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.2)  # the handler runs in here, and waits for the shutdown thread in vain
-                print("releasing", _clock.now_ns(), "after", time.monotonic() - start, flush=True)
+                print("releasing", record_clock.now_ns(), "after", time.monotonic() - start, flush=True)
             time.sleep(30)
     """)
     child = spawn(code, traced_env())

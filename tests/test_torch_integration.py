@@ -13,14 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import otel_train as ot
-from otel_train import _phases, phases, schema
+from otel_train import integration_spans, phases, schema
 from otel_train import torch as ott
 from otel_train.analysis.records import Reader, find_process_files
 
 
 def test_batch_stats_reads_shapes_of_nested_batches() -> None:
     batch = {"x": torch.zeros(8, 3, 4), "y": [torch.zeros(8), "label"], "meta": 5}
-    assert _phases.batch_stats(batch) == {
+    assert integration_spans.batch_stats(batch) == {
         "batch_size": 8,
         "input0.numel": 96,
         "input0.dim0": 8,
@@ -33,13 +33,13 @@ def test_batch_stats_reads_shapes_of_nested_batches() -> None:
 
 def test_batch_stats_is_bounded_and_ignores_non_tensors() -> None:
     many = [torch.zeros(2, 1) for _ in range(100)]
-    stats = _phases.batch_stats(many, max_tensors=2)
+    stats = integration_spans.batch_stats(many, max_tensors=2)
     assert set(stats) == {"batch_size", "input0.numel", "input0.dim0", "input0.dim1",
                           "input1.numel", "input1.dim0", "input1.dim1"}
-    assert _phases.batch_stats([1, "a", None, {"k": 2.0}]) == {}
+    assert integration_spans.batch_stats([1, "a", None, {"k": 2.0}]) == {}
     # A scalar tensor has no batch dimension; a later tensor provides it.
     Pair = collections.namedtuple("Pair", "a b")
-    assert _phases.batch_stats(Pair(torch.tensor(1.0), torch.zeros(4)))["batch_size"] == 4
+    assert integration_spans.batch_stats(Pair(torch.tensor(1.0), torch.zeros(4)))["batch_size"] == 4
 
 
 def test_batch_stats_never_reads_tensor_data(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,11 +49,11 @@ def test_batch_stats_never_reads_tensor_data(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(torch.Tensor, "item", forbidden)
     monkeypatch.setattr(torch.Tensor, "tolist", forbidden)
     monkeypatch.setattr(torch.Tensor, "__bool__", forbidden)
-    assert _phases.batch_stats((torch.ones(5, 2),))["input0.numel"] == 10
+    assert integration_spans.batch_stats((torch.ones(5, 2),))["input0.numel"] == 10
 
 
 def test_is_compiling_false_in_eager() -> None:
-    assert _phases.is_compiling() is False
+    assert integration_spans.is_compiling() is False
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -216,9 +216,9 @@ def test_hooks_inside_a_fullgraph_region_are_no_ops(tmp_path: Path) -> None:
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)  # any graph break would raise
     x = torch.randn(2, 4)
     with traced_run(tmp_path):
-        spans = _phases.ForwardSpans(inner)
+        spans = integration_spans.ForwardSpans(inner)
         assert torch.equal(compiled(x), fn(x))
-        assert _phases.batch_stats(x) and not _phases.is_compiling()
+        assert integration_spans.batch_stats(x) and not integration_spans.is_compiling()
         spans.remove()
     forwards = [r for r in read_records(tmp_path) if r.get("name") == phases.FORWARD]
     assert len(forwards) == 2  # start + end of the eager call only

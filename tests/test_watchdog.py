@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import otel_train as ot
-from otel_train import _clock, _report, schema
+from otel_train import record_clock, _report, schema
 from otel_train.stall import MAX_STALLS_PER_SPAN
 from otel_train.watchdog import DurationSketch, Watchdog
 
@@ -194,12 +194,12 @@ def test_a_stall_is_written_again_at_each_doubling_and_at_most_six_times() -> No
     dog = Watchdog(sink, heartbeat_s=0, stall_min_s=1.0, stall_factor=1.0)
     written = []
     for open_s in (0.5, 1.0, 1.5, 2.0, 3.9, 4.0, 8.0, 16.0, 32.0, 64.0, 1000.0):
-        sink.spans = [(42, "backward", _clock.now_ns() - int(open_s * 1e9), 1)]
+        sink.spans = [(42, "backward", record_clock.now_ns() - int(open_s * 1e9), 1)]
         dog.check()
         written.append(len(sink.written))
     assert written == [0, 1, 1, 2, 2, 3, 4, 5, 6, 6, 6] and MAX_STALLS_PER_SPAN == 6
     assert {span_id for _, _, span_id in sink.written} == {42}
-    sink.spans = [(43, "backward", _clock.now_ns() - int(1.5e9), 1)]  # a new span: its own count
+    sink.spans = [(43, "backward", record_clock.now_ns() - int(1.5e9), 1)]  # a new span: its own count
     dog.check()
     assert len(sink.written) == 7
 

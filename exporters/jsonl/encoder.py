@@ -16,10 +16,10 @@ import msgspec
 from opentelemetry.trace import SpanContext, StatusCode
 
 from otel_train import schema as S
-from otel_train._clock import from_wall, now_ns
+from otel_train.record_clock import from_wall, now_ns
 from otel_train._values import clean_text, json_safe
 from otel_train.context import StepState, call_site
-from otel_train.spans import LeanSpan
+from otel_train.tracers import LeanSpan
 
 INCOMPLETE_ATTR = S.ATTR_INCOMPLETE
 

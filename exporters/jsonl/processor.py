@@ -18,12 +18,12 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from otel_train import _report
 from otel_train._threads import held_here
-from otel_train._clock import from_wall, now_ns as time_ns  # the runtime's one clock (docs/clock.md)
+from otel_train.record_clock import from_wall, now_ns as time_ns  # the runtime's one clock (docs/clock.md)
 from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train.context import StepState
 from otel_train.exporters.jsonl.encoder import INCOMPLETE_ATTR, CallerFinder, RecordEncoder
-from otel_train.spans import LeanSpan
+from otel_train.tracers import LeanSpan
 
 _decode = msgspec.json.decode
 get_native_id = threading.get_native_id

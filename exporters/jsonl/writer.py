@@ -37,7 +37,7 @@ import weakref
 from typing import Any, Callable
 
 from otel_train import _modes, _report
-from otel_train._threads import start_quiet
+from otel_train._threads import Worker
 
 __all__ = ["RotatingFileWriter", "STALL_S", "TICK_S"]
 
@@ -66,13 +66,12 @@ class _Ticker:
     def __init__(self) -> None:
         self._writers: weakref.WeakSet[RotatingFileWriter] = weakref.WeakSet()
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("otel_train.file_check", self._run)
 
     def add(self, writer: RotatingFileWriter) -> None:
         with self._lock:
             self._writers.add(writer)
-            if self._thread is None:
-                self._thread = start_quiet(threading.Thread(target=self._run, name="otel_train.file_check", daemon=True))
+            self._worker.start()  # unless it runs
 
     def remove(self, writer: RotatingFileWriter) -> None:
         with self._lock:
@@ -87,7 +86,7 @@ class _Ticker:
             with self._lock:
                 writers = list(self._writers)
                 if not writers:
-                    self._thread = None
+                    self._worker.done()
                     return
             now = time.monotonic()
             for writer in writers:

@@ -8,6 +8,7 @@ deadline (a daemon thread cannot keep the interpreter alive), counting what it c
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import Sampler
 
 from otel_train import _report
-from otel_train._threads import held_here
+from otel_train._threads import Worker, held_here
 from otel_train.errors import ConfigError
 
 # The SDK's BatchSpanProcessor defaults, so OTEL_BSP_* means the same thing here.
@@ -69,7 +70,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     ``dropped`` counts spans lost to a full queue, a failed export, or abandonment at shutdown;
     ``exported`` counts spans the exporter acknowledged with a success status (a redirect is a failed
-    export: see ``wiring.RedirectRefusal``) and the collector did not reject in that answer (OTLP
+    export: see ``wiring.CollectorRedirectRefusal``) and the collector did not reject in that answer (OTLP
     ``partial_success``: rejected spans are dropped, see ``otel_train._otlp_partial``). Spans a
     ``sampler`` rejects are neither.
     Export failures are reported once per exporter (``otel_train._report``); later ones are only counted.
@@ -129,6 +130,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._queue = deque()
         self._flush_waiters = []
         self._is_shutdown = True
+        self._worker.forget()
 
     def _start_worker(self) -> None:
         self._lock = threading.RLock()
@@ -138,7 +140,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._abandoned = False
         self._in_flight = 0
         self._flush_waiters: list[threading.Event] = []
-        self._worker = threading.Thread(target=self._run, name="otel_train.otlp", daemon=True)
+        # quiet=False: these threads keep the starting thread's signal mask (the runtime's others block QUIET).
+        self._worker = Worker("otel_train.otlp", self._run, quiet=False)
         self._worker.start()
 
     # -- caller side -----------------------------------------------------------------------------
@@ -200,9 +203,9 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._stopping = True
         self._wake.set()
         reserve = min(timeout_s * _EXPORTER_SHUTDOWN_SHARE, _EXPORTER_SHUTDOWN_MAX_S)
-        self._worker.join(max(deadline - reserve - time.monotonic(), 0.0))
+        ended = self._worker.join(max(deadline - reserve - time.monotonic(), 0.0))
         with self._lock:
-            if self._worker.is_alive():
+            if not ended:
                 # Whatever the worker is doing now can no longer be waited for.
                 self._abandoned = True
                 self.dropped += self._in_flight + len(self._queue)
@@ -211,7 +214,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     def _shutdown_exporter(self, deadline: float) -> None:
         # exporter.shutdown() may block (closing a channel, joining a transport): run it aside.
-        closer = threading.Thread(target=self._call_exporter_shutdown, name="otel_train.otlp.close", daemon=True)
+        closer = Worker("otel_train.otlp.close", self._call_exporter_shutdown, quiet=False)
         closer.start()
         closer.join(max(deadline - time.monotonic(), 0.0))
 
@@ -288,7 +291,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         )
 
     def _report_failure(self, count: int) -> None:
-        # Why, when the exporter can say (otel_train.exporters.otlp.wiring.RedirectRefusal): a redirect.
+        # Why, when the exporter can say (otel_train.exporters.otlp.wiring.CollectorRedirectRefusal): a redirect.
         explain = getattr(self.exporter, "_otel_train_explain", None)
         why = explain() if callable(explain) else None
         _report.report(
@@ -306,12 +309,11 @@ def shutdown_processors(processors: Iterable[BoundedBatchSpanProcessor], timeout
     ``TracerProvider.shutdown()`` would call them one after another with their default budget each;
     call this first, and the provider's later calls return at once (shutdown is idempotent).
     """
-    threads = [
-        threading.Thread(target=p.shutdown, args=(timeout_s,), name="otel_train.otlp.shutdown", daemon=True)
-        for p in processors
+    workers = [
+        Worker("otel_train.otlp.shutdown", functools.partial(p.shutdown, timeout_s), quiet=False) for p in processors
     ]
-    for thread in threads:
-        thread.start()
+    for worker in workers:
+        worker.start()
     deadline = time.monotonic() + max(timeout_s, 0.0)
-    for thread in threads:
-        thread.join(max(deadline - time.monotonic(), 0.0))
+    for worker in workers:
+        worker.join(max(deadline - time.monotonic(), 0.0))

@@ -172,7 +172,7 @@ def _guard_sdk_logs(env: Mapping[str, str]) -> None:
             logger.addFilter(_SDK_LOG_FILTER)
 
 
-class RedirectRefusal:
+class CollectorRedirectRefusal:
     """A response hook for the HTTP exporter's ``requests`` session: a redirect is not delivery.
 
     The SDK counts every status below 400 as success, and it does not follow redirects, so a collector
@@ -201,14 +201,14 @@ class NotDelivered(Exception):
     """An OTLP/HTTP answer that is not a success status."""
 
 
-def refuse_redirects(exporter: SpanExporter) -> RedirectRefusal | None:
-    """Install a :class:`RedirectRefusal` on an SDK OTLP/HTTP exporter's session; None when it has none."""
+def refuse_redirects(exporter: SpanExporter) -> CollectorRedirectRefusal | None:
+    """Install a :class:`CollectorRedirectRefusal` on an SDK OTLP/HTTP exporter's session; None when it has none."""
     client = getattr(exporter, "_client", None)
     session = getattr(getattr(client, "_transport", None), "_session", None)
     hooks = getattr(session, "hooks", None)
     if not isinstance(hooks, dict):
         return None
-    guard = RedirectRefusal()
+    guard = CollectorRedirectRefusal()
     hooks.setdefault("response", []).append(guard)
     return guard
 

@@ -15,7 +15,7 @@ from collections import deque
 from threading import get_native_id
 from typing import Any
 
-from otel_train._clock import now_ns as time_ns  # the runtime's one clock (docs/clock.md)
+from otel_train.record_clock import now_ns as time_ns  # the runtime's one clock (docs/clock.md)
 
 MAX_QUEUED = 1 << 16
 """Notes the recorder has not taken yet; beyond, the oldest are dropped (a recorder that cannot keep up

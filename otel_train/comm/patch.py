@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from otel_train import _report, api
-from otel_train._clock import now_ns as time_ns  # the runtime's one clock (docs/clock.md)
+from otel_train.record_clock import now_ns as time_ns  # the runtime's one clock (docs/clock.md)
 from otel_train.comm.groups import GroupTable
 from otel_train.comm.notes import Note, NoteQueue
 

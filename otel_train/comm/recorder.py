@@ -30,9 +30,9 @@ from typing import Any, Callable
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanKind, Status, StatusCode
 
-from otel_train._clock import from_foreign, now_ns  # the runtime's one clock (docs/clock.md)
+from otel_train.record_clock import from_foreign, now_ns  # the runtime's one clock (docs/clock.md)
 from otel_train import _report
-from otel_train._threads import start_quiet
+from otel_train._threads import Worker
 from otel_train import context as step_context
 from otel_train import schema as S
 from otel_train.comm import flight_recorder as fr
@@ -92,8 +92,7 @@ class Recorder:
         self._step_times: list[int] = []
         self._step_states: list[Any] = []
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker("otel-train-comm", self._run, drain=lambda timeout_s: self.poll(final=True, wait_s=timeout_s))
         self._last_counts: tuple[int, ...] | None = None  # the groups' op counters at the previous look
         self._read_counts: tuple[int, ...] | None = None  # ... at the last read of the buffer
         self.spans = 0
@@ -101,8 +100,7 @@ class Recorder:
         self.fr_lost = 0
 
     def start(self) -> Recorder:
-        if self._thread is None:
-            self._thread = start_quiet(threading.Thread(target=self._run, name="otel-train-comm", daemon=True))
+        self._worker.start()
         return self
 
     def on_step(self, step: int) -> None:
@@ -127,34 +125,21 @@ class Recorder:
 
     def stop(self, timeout_s: float = 1.0) -> None:
         """Stop the thread, then write whatever is queued (ops still running stay open spans)."""
-        self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(max(0.0, timeout_s))
-        self.poll(final=True, wait_s=timeout_s)
+        self._worker.stop(timeout_s)
 
     def flush(self, wait_s: float = 1.0) -> None:
         """Write everything queued and read the Flight Recorder buffer now (before its groups go away)."""
         self.poll(final=True, wait_s=wait_s)
 
     def _run(self) -> None:
-        while not self._pause():
+        # Short relative sleeps, not Event.wait: a timed wait on an absolute deadline never returned in a
+        # process whose clocks libfaketime offsets (the recorder then wrote no span until the final flush,
+        # tests/test_clock_torchrun.py); a stop is seen within a slice.
+        while not self._worker.pause(self.poll_s, PAUSE_SLICE_S):
             try:
                 self.poll()
             except Exception as exc:  # noqa: BLE001 - the recorder keeps looking; training never hears of it
                 _report.report_exception("comm recorder", exc)
-
-    def _pause(self) -> bool:
-        """Wait ``poll_s`` in short relative sleeps; whether to stop. Not ``Event.wait``: a timed wait on an
-        absolute deadline never returned in a process whose clocks libfaketime offsets (the recorder then
-        wrote no span until the final flush, tests/test_clock_torchrun.py); a stop is seen within a slice."""
-        end = time.monotonic() + self.poll_s
-        while not self._stop.is_set():
-            left = end - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(PAUSE_SLICE_S, left))
-        return True
 
     def poll(self, *, final: bool = False, wait_s: float = -1) -> None:
         """One look (see the module doc)."""

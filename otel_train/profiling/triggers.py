@@ -27,7 +27,7 @@ from collections import deque
 from statistics import median
 from typing import Any, Iterable
 
-from otel_train import _clock
+from otel_train import record_clock
 from otel_train.profiling.request import take_request
 from otel_train.profiling.window import Windows
 
@@ -64,7 +64,7 @@ class Triggers:
                 self._steps.append((span._start_time, span._end_time))
             elif name.startswith(COMM_PREFIX):
                 self._comm.append((span._start_time, span._end_time))
-        now = _clock.now_ns() if now_ns is None else now_ns
+        now = record_clock.now_ns() if now_ns is None else now_ns
         if now - self._polled_ns >= POLL_NS:
             self._polled_ns = now
             reason = take_request(self.windows.run_dir, self.windows.rank)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from otel_train import _clock, _report
+from otel_train import record_clock, _report
 from otel_train import context as step_context
 import otel_train.profiling.output as output
 from otel_train.profiling.schedule import MAX_STEP, Schedule
@@ -48,10 +48,10 @@ def _start_profiler(activities: tuple[str, ...]) -> tuple[Any, tuple[int, int], 
     prof = profile(activities=kinds, record_shapes="shapes" in activities, with_stack="stack" in activities,
                    profile_memory="memory" in activities)
     prof.start()
-    before = _clock.now_ns()
+    before = record_clock.now_ns()
     with record_function(output.MARKER):
         pass
-    return prof, (before, _clock.now_ns()), used
+    return prof, (before, record_clock.now_ns()), used
 
 
 class Windows:
@@ -89,7 +89,7 @@ class Windows:
         is open or asked for already, or the process has had ``max_windows``."""
         if self.busy() or self.opened >= self.max_windows:
             return False
-        self.quiet_after_ns = _clock.now_ns()
+        self.quiet_after_ns = record_clock.now_ns()
         self.pending = reason
         self.next_check = 0
         return True
@@ -146,7 +146,7 @@ class Windows:
             rel = output.relative_path(self.rank, name)
             output.write_trace(active.profiler, self.run_dir, rel)
         finally:
-            self.quiet_after_ns = _clock.now_ns()
+            self.quiet_after_ns = record_clock.now_ns()
         with step_context.at_step(last):  # the record is about the window's steps (and --steps A-B finds it)
             self._instant(output.INSTANT_PROFILE, output.instant_attrs(
                 active.first, last, active.reason, rel, active.marker_ns, self.opened, active.activities))

@@ -96,7 +96,7 @@ TRAIN = textwrap.dedent(
     """
     import sys, time
     import otel_train as ot
-    from otel_train import _clock
+    from otel_train import record_clock
     ot.init(save_path=sys.argv[1], enabled=True, stall_min_s=1.0, heartbeat_s=1.0)
     for step in range(10):
         with ot.training_step(step):
@@ -105,9 +105,9 @@ TRAIN = textwrap.dedent(
             with ot.log_trace_span("forward"):
                 time.sleep(0.01)
                 if step == 5:  # this span's end is stamped an hour ahead (the runtime clock, read once)
-                    _clock._OFFSET_NS += 3600 * 10**9
+                    record_clock._OFFSET_NS += 3600 * 10**9
             if step == 5:
-                _clock._OFFSET_NS -= 3600 * 10**9
+                record_clock._OFFSET_NS -= 3600 * 10**9
     with ot.training_step(10), ot.log_trace_span("data_fetch"):
         print("stuck", flush=True)
         while True:

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import Event, SpanProcessor
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
-from otel_train._clock import now_ns
+from otel_train.record_clock import now_ns
 from otel_train._report import safe_str
 from otel_train._values import clean_text, otel_attributes
 
@@ -179,7 +179,7 @@ class CleanTracer(_Tracer):
 
 def _on_runtime_clock(span: trace.Span) -> trace.Span:
     """An SDK span timed on the runtime's clock (docs/clock.md): its start was given, and ``end()``
-    without a time takes :func:`~otel_train._clock.now_ns` instead of the SDK's wall clock. The JSONL
+    without a time takes :func:`~otel_train.record_clock.now_ns` instead of the SDK's wall clock. The JSONL
     encoder moves the times of other SDK spans (a user's own tracer on our provider) as it sees them."""
     sdk_end = span.end
 
